@@ -1,0 +1,14 @@
+"""layerwise: load BF16 Hugging Face checkpoints as FP8 layer by layer, and hot-reload them in place."""
+
+from layerwise.errors import (CheckpointError, DuplicateWeightError, LayerwiseError, MissingWeightError,
+                              NonFiniteWeightError, ReloadError, UnexpectedWeightError,
+                              UnsupportedArchitectureError, WeightShapeError)
+from layerwise.loader import LoadReport, load_model, load_model_with_report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "DuplicateWeightError", "LayerwiseError", "LoadReport", "MissingWeightError",
+    "NonFiniteWeightError", "ReloadError", "UnexpectedWeightError", "UnsupportedArchitectureError",
+    "WeightShapeError", "load_model", "load_model_with_report",
+]

@@ -1,0 +1,165 @@
+"""Streaming reader for Hugging Face safetensors checkpoints.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
+``model.safetensors.index.json`` (``weight_map``: tensor key -> shard file). Tensors are read one at
+a time through ``safetensors.safe_open`` (memory-mapped: a tensor is a view of the file's pages, so
+no shard is ever read into memory whole), in decoder-layer order whatever the shard order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from safetensors import safe_open
+
+from layerwise.errors import CheckpointError
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def layer_group(key: str) -> tuple[int, int]:
+    """Sort key placing a tensor by decoder layer: embeddings first, then layer 0..N-1, then the rest.
+
+    Returns (0, 0) for ``*embed_tokens*``, (1, i) for ``*.layers.i.*``, (2, 0) otherwise.
+    """
+    m = _LAYER_RE.search(key)
+    if m:
+        return (1, int(m.group(1)))
+    return (0, 0) if "embed_tokens" in key else (2, 0)
+
+
+def group_name(key: str) -> str:
+    """Human name of a key's load group: "layers.3", "embed_tokens" or the key's module prefix."""
+    kind, idx = layer_group(key)
+    if kind == 1:
+        return f"layers.{idx}"
+    return key.rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Header facts of one checkpoint tensor: file (basename), dtype name ("BF16"), shape, nbytes."""
+
+    key: str
+    file: str
+    dtype: str
+    shape: tuple
+    nbytes: int
+
+
+class Checkpoint:
+    """A Hugging Face safetensors checkpoint directory.
+
+    Args:
+        path: directory with config.json and model.safetensors or model.safetensors.index.json.
+    Raises:
+        CheckpointError: not a directory, config.json missing or invalid JSON, no weights file,
+            a shard listed in index.json is absent (the message names the shard and one of its keys),
+            or a listed key is not in its shard.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"checkpoint directory does not exist: {self.path}", file=self.path)
+        config_path = os.path.join(self.path, CONFIG_NAME)
+        if not os.path.isfile(config_path):
+            raise CheckpointError(f"config.json is missing in {self.path}", file=config_path)
+        try:
+            with open(config_path) as f:
+                self.config: dict = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"config.json is not valid JSON: {e}", file=config_path) from e
+        self._handles: dict[str, object] = {}
+        self.tensors: dict[str, TensorInfo] = self._read_headers(self._weight_map())
+        self.keys: list[str] = sorted(self.tensors, key=lambda k: (layer_group(k), k))
+
+    def _weight_map(self) -> dict[str, str]:
+        index_path = os.path.join(self.path, INDEX_FILE)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{INDEX_FILE} has no valid weight_map: {e}", file=index_path) from e
+            for key, shard in weight_map.items():
+                if not os.path.isfile(os.path.join(self.path, shard)):
+                    raise CheckpointError(f"shard {shard!r} listed in {INDEX_FILE} is missing",
+                                          key=key, file=os.path.join(self.path, shard))
+            return weight_map
+        single = os.path.join(self.path, SINGLE_FILE)
+        if not os.path.isfile(single):
+            raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}", file=self.path)
+        return {key: SINGLE_FILE for key in self._open(SINGLE_FILE).keys()}
+
+    def _open(self, shard: str):
+        handle = self._handles.get(shard)
+        if handle is None:
+            full = os.path.join(self.path, shard)
+            try:
+                handle = safe_open(full, framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot open safetensors file: {e}", file=full) from e
+            self._handles[shard] = handle
+        return handle
+
+    def _read_headers(self, weight_map: dict[str, str]) -> dict[str, TensorInfo]:
+        infos = {}
+        for key, shard in weight_map.items():
+            handle = self._open(shard)
+            try:
+                sl = handle.get_slice(key)
+            except Exception as e:
+                raise CheckpointError(f"tensor listed in {INDEX_FILE} is not in its shard: {e}", key=key,
+                                      file=self.file_of_shard(shard)) from e
+            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+            numel = 1
+            for s in shape:
+                numel *= s
+            infos[key] = TensorInfo(key, shard, dtype, shape, numel * _DTYPE_BYTES.get(dtype, 2))
+        return infos
+
+    def file_of_shard(self, shard: str) -> str:
+        return os.path.join(self.path, shard)
+
+    def file_of(self, key: str) -> Optional[str]:
+        """Full path of the file holding ``key`` (None for an unknown key)."""
+        info = self.tensors.get(key)
+        return self.file_of_shard(info.file) if info else None
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of all tensor payload bytes (headers excluded)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def group_bytes(self) -> dict[str, int]:
+        """Payload bytes per load group (see :func:`group_name`), in load order."""
+        out: dict[str, int] = {}
+        for key in self.keys:
+            name = group_name(key)
+            out[name] = out.get(name, 0) + self.tensors[key].nbytes
+        return out
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` as a CPU view of the memory-mapped file (nothing is copied)."""
+        return self._open(self.tensors[key].file).get_tensor(key)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (key, tensor) in decoder-layer order, one tensor at a time."""
+        for key in self.keys:
+            yield key, self.get_tensor(key)
+
+    def close(self) -> None:
+        """Drop the open file handles (their mmaps close when the last tensor view is freed)."""
+        self._handles.clear()

@@ -1,0 +1,87 @@
+"""Command line: ``layerwise load PATH``, ``layerwise demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from layerwise.loader import LoadReport, load_model_with_report
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def format_report(report: LoadReport) -> str:
+    """A two-column summary table of a load."""
+    rows = [
+        ("architecture", report.architecture),
+        ("decoder layers", str(report.num_layers)),
+        ("device", report.device),
+        ("quantization", f"{report.quantization} (kernel: {report.kernel}, dtype: {report.dtype})"),
+        ("checkpoint", _mib(report.checkpoint_bytes)),
+        ("largest layer (checkpoint)", _mib(report.largest_layer_checkpoint_bytes)),
+        ("model on device", _mib(report.model_bytes)),
+        ("peak on device", f"{_mib(report.peak_bytes)}  [{report.memory_tracker}]"),
+        ("peak - model", f"{_mib(report.peak_bytes - report.model_bytes)} = "
+                         f"{report.overhead_per_layer:.2f} x largest layer"),
+        ("peak anonymous RSS (OS)", _mib(report.peak_rss_anon_bytes)),
+        ("load time", f"{report.seconds:.2f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _load(args) -> int:
+    quant = None if args.quantization == "none" else args.quantization
+    _, report = load_model_with_report(args.path, quant, args.device, args.dtype, args.kernel,
+                                       args.fp8_mode, progress=True)
+    print(format_report(report))
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(report.to_dict(), f, indent=2)
+        print(f"report written to {args.report}")
+    return 0
+
+
+def _demo(args) -> int:
+    from layerwise.demo import demo_checkpoint, greedy_tokens
+
+    path = demo_checkpoint(args.cache_dir)
+    print(f"demo checkpoint (random BF16 Qwen3, generated locally): {path}")
+    model, report = load_model_with_report(path, "fp8", args.device, progress=True)
+    print(format_report(report))
+    prompt = [1, 17, 42, 7]
+    tokens = greedy_tokens(model, prompt, args.tokens)
+    print(f"greedy tokens after prompt {prompt}: {tokens}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerwise", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    load = sub.add_parser("load", help="load a checkpoint directory and print a memory/time summary")
+    load.add_argument("path", help="directory with config.json and *.safetensors")
+    load.add_argument("--quantization", default="fp8", choices=["fp8", "fp8-per-tensor", "none"])
+    load.add_argument("--device", default="cpu")
+    load.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: config.json)")
+    load.add_argument("--kernel", default=None, choices=["torch", "triton"])
+    load.add_argument("--fp8-mode", default="auto", choices=["auto", "w8a8", "w8a16"])
+    load.add_argument("--report", default=None, metavar="FILE.json", help="write the summary as JSON")
+    load.set_defaults(func=_load)
+    demo = sub.add_parser("demo", help="generate a small BF16 Qwen3 checkpoint, load it as FP8, generate")
+    demo.add_argument("--device", default="cpu")
+    demo.add_argument("--cache-dir", default=None)
+    demo.add_argument("--tokens", type=int, default=8)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

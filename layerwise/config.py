@@ -1,0 +1,65 @@
+"""The subset of a Hugging Face config.json that the models need, under Hugging Face's field names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer hyper-parameters (Llama / Qwen2 / Qwen3 family).
+
+    Built with :meth:`from_dict`, which accepts both the transformers >= 5 layout
+    (``rope_parameters``) and the older one (``rope_theta`` + ``rope_scaling``).
+    """
+
+    architectures: list
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    dtype: Optional[torch.dtype] = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Parse a config.json dict. Raises KeyError naming a missing required field."""
+        rope = dict(d.get("rope_parameters") or {})
+        legacy_scaling = d.get("rope_scaling")
+        rope_theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = legacy_scaling if legacy_scaling else rope
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        heads = d["num_attention_heads"]
+        dtype_name = d.get("dtype") or d.get("torch_dtype")
+        return cls(
+            architectures=list(d.get("architectures") or []),
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=None if rope_type == "default" else dict(scaling, rope_type=rope_type),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+            raw=d,
+        )

@@ -1,0 +1,119 @@
+"""An embedded default checkpoint: a small random BF16 Qwen3 model written in Hugging Face format.
+
+Nothing is downloaded. The tensors are generated from a fixed seed and written with safetensors
+into shards listed by model.safetensors.index.json, exactly as transformers' save_pretrained lays
+them out, so the demo exercises the same reader as a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+DEMO_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "dtype": "bfloat16",
+}
+
+
+def default_cache_dir() -> Path:
+    """$LAYERWISE_CACHE, else $XDG_CACHE_HOME/layerwise, else ~/.cache/layerwise."""
+    if os.environ.get("LAYERWISE_CACHE"):
+        return Path(os.environ["LAYERWISE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "layerwise"
+
+
+def _qwen3_tensors(cfg: dict, generator: torch.Generator):
+    """(key, tensor) in Hugging Face naming for a Qwen3 config, BF16, std 0.02, norms at 1."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+    yield "model.embed_tokens.weight", rand(v, h)
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        yield f"{p}.input_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+        yield f"{p}.post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+        yield f"{p}.self_attn.q_proj.weight", rand(nq * d, h)
+        yield f"{p}.self_attn.k_proj.weight", rand(nkv * d, h)
+        yield f"{p}.self_attn.v_proj.weight", rand(nkv * d, h)
+        yield f"{p}.self_attn.o_proj.weight", rand(h, nq * d)
+        yield f"{p}.self_attn.q_norm.weight", torch.ones(d, dtype=torch.bfloat16)
+        yield f"{p}.self_attn.k_norm.weight", torch.ones(d, dtype=torch.bfloat16)
+        yield f"{p}.mlp.gate_proj.weight", rand(i, h)
+        yield f"{p}.mlp.up_proj.weight", rand(i, h)
+        yield f"{p}.mlp.down_proj.weight", rand(h, i)
+    yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
+    if not cfg.get("tie_word_embeddings"):
+        yield "lm_head.weight", rand(v, h)
+
+
+def write_checkpoint(path: str | os.PathLike, config: dict, seed: int = 0, max_shard_bytes: int = 4 << 20) -> Path:
+    """Write a random BF16 checkpoint for a Qwen3 ``config`` (HF field names) into ``path``.
+
+    Shards hold at most ``max_shard_bytes`` of tensor data (a larger tensor gets its own shard).
+    Returns the directory.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    shards, current, size = [], {}, 0
+    for key, tensor in _qwen3_tensors(config, gen):
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = tensor
+        size += nbytes
+    shards.append(current)
+    weight_map = {}
+    for n, shard in enumerate(shards):
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    with open(path / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(path / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
+def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The demo checkpoint's directory, generated on first use (about 52 MiB of BF16)."""
+    path = Path(cache_dir or default_cache_dir()) / "demo-qwen3-8l"
+    if not (path / "model.safetensors.index.json").exists():
+        write_checkpoint(path, DEMO_CONFIG)
+    return path
+
+
+@torch.inference_mode()
+def greedy_tokens(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by full re-computation (no KV cache): prompt -> new token ids."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    out = []
+    for _ in range(max_new_tokens):
+        nxt = model(ids)[0, -1].argmax().item()
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
+    return out

@@ -1,0 +1,68 @@
+"""Exceptions raised by layerwise. Each names the checkpoint file and tensor key where known."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from quant.parameters import WeightShapeError as _LoaderShapeError
+
+
+class LayerwiseError(Exception):
+    """Base class. ``key`` and ``file`` name the checkpoint tensor and file involved, when known."""
+
+    def __init__(self, message: str, key: Optional[str] = None, file: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.key = key
+        self.file = file
+
+    def add_context(self, key: Optional[str] = None, file: Optional[str] = None) -> "LayerwiseError":
+        """Fill in key/file if not set yet; returns self so it can be re-raised."""
+        self.key = self.key or key
+        self.file = self.file or file
+        return self
+
+    def __str__(self) -> str:
+        where = []
+        if self.key:
+            where.append(f"tensor {self.key!r}")
+        if self.file:
+            where.append(f"file {self.file}")
+        return f"{self.message} ({', '.join(where)})" if where else self.message
+
+
+class CheckpointError(LayerwiseError):
+    """The checkpoint directory is unusable: no config.json, a listed shard is absent, bad index."""
+
+
+class UnsupportedArchitectureError(LayerwiseError):
+    """config.json names an architecture that has no model class in the registry."""
+
+
+class UnexpectedWeightError(LayerwiseError):
+    """The checkpoint holds a tensor that no parameter of the model takes."""
+
+
+class WeightShapeError(LayerwiseError, _LoaderShapeError):
+    """A checkpoint tensor's shape does not fit the parameter it is loaded into."""
+
+
+class NonFiniteWeightError(LayerwiseError):
+    """A checkpoint tensor holds NaN or Inf (it would poison an FP8 scale)."""
+
+
+class MissingWeightError(LayerwiseError):
+    """Some parameter (or part of one) was never provided by the checkpoint."""
+
+
+class DuplicateWeightError(LayerwiseError):
+    """Some region of a parameter was written more than once in one load or reload."""
+
+
+class ReloadError(LayerwiseError):
+    """A reload failed. ``updated_layers`` lists the layers whose kernel tensors were already
+    overwritten with new values (empty for an atomic reload, which then changed nothing)."""
+
+    def __init__(self, message: str, updated_layers=(), key=None, file=None):
+        super().__init__(message, key=key, file=file)
+        self.updated_layers = list(updated_layers)

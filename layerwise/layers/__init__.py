@@ -1,0 +1,1 @@
+"""Building blocks of the models: linear (plain and fused), embedding, norm, rotary, attention."""

@@ -1,0 +1,64 @@
+"""The one recursive load path: route checkpoint keys down the module tree to weight loaders.
+
+``load_weights(module, weights)`` splits each key on dots and descends through ``named_children``.
+When a component names no child, the children's ``checkpoint_shards`` are consulted: a fused layer
+(qkv_proj, gate_up_proj) declares the checkpoint module names it absorbs and the shard_id of each.
+The last component names a parameter, whose own ``weight_loader(param, tensor, shard_id)`` writes it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from layerwise.errors import UnexpectedWeightError
+
+
+def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_id=None) -> None:
+    head, _, rest = name.partition(".")
+    if not rest:
+        param = module._parameters.get(head)
+        if param is None:
+            raise UnexpectedWeightError(f"{type(module).__name__} has no parameter {head!r}", key=key)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            raise UnexpectedWeightError(
+                f"parameter {head!r} of {type(module).__name__} is in kernel format; reload with "
+                f"layerwise.reload_weights instead of calling load_weights directly", key=key)
+        loader(param, tensor, shard_id)
+        return
+    child = module._modules.get(head)
+    if child is not None:
+        _route(child, rest, tensor, key, shard_id)
+        return
+    for child in module._modules.values():
+        shards = getattr(child, "checkpoint_shards", None) or {}
+        if head in shards:
+            _route(child, rest, tensor, key, shards[head])
+            return
+    raise UnexpectedWeightError(f"no module {head!r} under {type(module).__name__}", key=key)
+
+
+def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 skip: Optional[callable] = None) -> list[str]:
+    """Load (key, tensor) pairs in checkpoint naming into ``module``.
+
+    Args:
+        module: root of the module tree the keys are relative to.
+        weights: iterable of (Hugging Face checkpoint key, tensor).
+        skip: predicate on the key; True means the tensor is ignored (e.g. rotary inv_freq).
+    Returns:
+        the keys that were loaded, in order.
+    Raises:
+        UnexpectedWeightError: a key names no module or parameter (the error's ``key`` is set).
+        WeightShapeError (from quant.parameters): a tensor does not fit its parameter.
+    """
+    loaded = []
+    for key, tensor in weights:
+        if skip is not None and skip(key):
+            continue
+        _route(module, key, tensor, key)
+        loaded.append(key)
+    return loaded

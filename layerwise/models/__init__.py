@@ -1,0 +1,1 @@
+"""Model architectures, each reading like the transformer it implements."""

@@ -1,0 +1,49 @@
+"""What every causal LM shares: construction arguments, weight routing, forward signature."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from layerwise.config import ModelConfig
+from layerwise.loading import load_weights
+from quant.config import QuantConfig
+
+
+class CausalLM(nn.Module):
+    """Base of the ``*ForCausalLM`` models.
+
+    Subclasses build ``self.model`` (embed_tokens, layers, norm) and ``self.lm_head``; with
+    ``tie_word_embeddings`` the LM head is the embedding module itself, so one weight serves both.
+
+    Args:
+        config: parsed config.json.
+        quant_config: which Linear layers are quantized and how.
+        params_dtype: checkpoint-format dtype of every parameter.
+        device: target device for buffers that are computed rather than loaded (rotary frequencies);
+            parameters are created on whatever device is current (meta during a layerwise load).
+    """
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.config = config
+
+    def skip_checkpoint_key(self, key: str) -> bool:
+        """Checkpoint tensors that are not parameters: rotary inv_freq, and lm_head when tied."""
+        if key.endswith("rotary_emb.inv_freq"):
+            return True
+        return self.config.tie_word_embeddings and key.startswith("lm_head.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Route (checkpoint key, tensor) pairs to the parameters' weight loaders (see loading.py)."""
+        return load_weights(self, weights, skip=self.skip_checkpoint_key)
+
+    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids LongTensor [B, T] -> logits [B, T, vocab] in the parameters' dtype."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        hidden = self.model(input_ids, positions)
+        return torch.nn.functional.linear(hidden, self.lm_head.weight)

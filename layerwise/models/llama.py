@@ -1,0 +1,126 @@
+"""Llama (Touvron et al., 2023; Llama 3, 2024): pre-norm decoder with GQA attention, RoPE, SwiGLU MLP.
+
+Module and parameter names follow the Hugging Face checkpoint (model.layers.N.self_attn.*, mlp.*),
+except that q/k/v and gate/up are fused layers that declare the checkpoint names they absorb.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerwise.config import ModelConfig
+from layerwise.distributed import get_tp_size
+from layerwise.layers.attention import causal_attention
+from layerwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from layerwise.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from layerwise.layers.norm import RMSNorm
+from layerwise.layers.rotary import RotaryEmbedding
+from layerwise.models.base import CausalLM
+from quant.config import QuantConfig
+
+
+class LlamaMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up fused as gate_up_proj."""
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, ("gate_proj", "up_proj"), False,
+            quant_config.get_linear_method(f"{prefix}.gate_up_proj"), dtype)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False,
+                                           quant_config.get_linear_method(f"{prefix}.down_proj"), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query causal self-attention with rotary positions."""
+
+    qkv_bias = None  # None: from config.attention_bias; Qwen2 forces True
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
+                 device: torch.device, prefix: str):
+        super().__init__()
+        tp = get_tp_size()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
+        self.scale = self.head_dim ** -0.5
+        bias = config.attention_bias if self.qkv_bias is None else self.qkv_bias
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias,
+                                          quant_config.get_linear_method(f"{prefix}.qkv_proj"), dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        config.attention_bias and self.qkv_bias is None,
+                                        quant_config.get_linear_method(f"{prefix}.o_proj"), dtype)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling, device)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
+        """Hook for per-head q/k normalization (identity in Llama)."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(causal_attention(q, k, v, self.scale))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    attention_cls = LlamaAttention
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
+                 device: torch.device, prefix: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = self.attention_cls(config, quant_config, dtype, device, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, quant_config, dtype, f"{prefix}.mlp")
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """embed_tokens -> N decoder layers -> final norm."""
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
+                 device: torch.device, layer_cls=LlamaDecoderLayer):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(layer_cls(config, quant_config, dtype, device, f"model.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama decoder plus an LM head (tied to embed_tokens when tie_word_embeddings)."""
+
+    decoder_layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__(config, quant_config, params_dtype, device)
+        self.model = LlamaModel(config, quant_config, params_dtype, device, self.decoder_layer_cls)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype)

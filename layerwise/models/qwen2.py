@@ -1,0 +1,19 @@
+"""Qwen2 (Qwen team, 2024): Llama's architecture with a bias on the q, k and v projections."""
+
+from __future__ import annotations
+
+from layerwise.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class Qwen2Attention(LlamaAttention):
+    """q/k/v projections carry a bias; o_proj does not."""
+
+    qkv_bias = True
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    decoder_layer_cls = Qwen2DecoderLayer

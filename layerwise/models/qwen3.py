@@ -1,0 +1,31 @@
+"""Qwen3 (Qwen team, 2025): Llama's architecture with per-head RMSNorm on q and k before RoPE."""
+
+from __future__ import annotations
+
+import torch
+
+from layerwise.config import ModelConfig
+from layerwise.layers.norm import RMSNorm
+from layerwise.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from quant.config import QuantConfig
+
+
+class Qwen3Attention(LlamaAttention):
+    """Adds q_norm and k_norm, RMSNorm over head_dim applied to every head."""
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
+                 device: torch.device, prefix: str):
+        super().__init__(config, quant_config, dtype, device, prefix)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    decoder_layer_cls = Qwen3DecoderLayer

@@ -1,0 +1,58 @@
+"""Counting what a weight loader writes, by running it against the meta parameter.
+
+A loader may narrow, transpose or shard; trusting tensor sizes would miss that. Instead the
+loader is run on the meta device (no data, no memory) under a TorchDispatchMode that records the
+destination view (storage offset, sizes, strides) of every in-place write. vLLM counts copied
+elements the same way (reload/meta.py); recording the regions as well lets finalize tell a double
+write from a missing one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from layerwise.reload.types import intervals_of_view
+
+aten = torch.ops.aten
+_WRITE_OPS = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+
+
+class WriteRecorder(TorchDispatchMode):
+    """Records the destination region of every copy_/fill_/zero_ executed inside the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _WRITE_OPS:
+            dst = args[0]
+            self.writes.append(intervals_of_view(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride())))
+        return func(*args, **(kwargs or {}))
+
+
+def _to_meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def record_loader_writes(loader: Callable, meta_param: torch.Tensor, loaded_weight: torch.Tensor,
+                         shard_id: Any) -> list:
+    """Run ``loader(meta_param, loaded_weight on meta, shard_id)`` and return its writes.
+
+    Returns:
+        list of (starts, length) element intervals into ``meta_param``'s storage.
+    Raises:
+        whatever the loader raises (e.g. a shape mismatch), before any real memory is touched.
+    """
+    recorder = WriteRecorder()
+    with recorder:
+        loader(meta_param, _to_meta(loaded_weight), shard_id)
+    return recorder.writes
+
+
+def written_numel(writes: list) -> int:
+    """Total elements written (duplicates counted twice), as vLLM's load_numel."""
+    return sum(len(starts) * length for starts, length in writes)

@@ -1,0 +1,148 @@
+"""Per-layer and per-session state of a layerwise load or reload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass
+class BufferedLoad:
+    """One deferred ``weight_loader(param, loaded_weight, shard_id)`` call.
+
+    ``loaded_weight`` stays where it came from if it is on the CPU (a memory-mapped checkpoint view
+    costs no memory), and is moved to the CPU otherwise, so buffered tensors never sit on the device.
+    """
+
+    param_name: str
+    loaded_weight: torch.Tensor
+    shard_id: Any
+    key: Optional[str]
+
+
+@dataclass
+class LayerReloadingInfo:
+    """State of one layer (a module with direct parameters) across a load or reload.
+
+    Attributes:
+        prefix: the layer's dotted name in the model ("model.layers.0.self_attn.qkv_proj").
+        restore_metadata: the layer's checkpoint-format parameters on the meta device, recorded
+            once when the model is created (they cost no memory and carry the typed loaders).
+        weight_loaders: the original (unwrapped) weight_loader of each of those parameters.
+        load_numel_total: elements the checkpoint must write for the layer to be complete.
+        load_numel: elements written so far in this load (counted on the meta device).
+        writes: per parameter, the flat [start, stop) element intervals written so far, so
+            coverage can be checked exactly (a double write cannot hide a missing region).
+        loaded_weights: the buffered loader calls, replayed once the layer is complete.
+        kernel_tensors: the layer's processed parameters and buffers from the previous load, whose
+            storage a reload writes into (empty during the first load).
+        staged: processed values waiting for an atomic reload to commit them.
+        done: the layer was completed and processed in the current session.
+    """
+
+    prefix: str
+    restore_metadata: dict[str, nn.Parameter]
+    weight_loaders: dict[str, Callable]
+    load_numel_total: int
+    load_numel: int = 0
+    writes: dict[str, list] = field(default_factory=dict)
+    loaded_weights: list[BufferedLoad] = field(default_factory=list)
+    kernel_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    done: bool = False
+    session: Optional["ReloadSession"] = None
+
+    def reset(self) -> None:
+        """Forget everything about the current session (buffers, counts, staged values)."""
+        self.load_numel = 0
+        self.writes = {name: [] for name in self.restore_metadata}
+        self.loaded_weights = []
+        self.staged = {}
+        self.done = False
+
+    @property
+    def keys(self) -> list[str]:
+        """Checkpoint keys buffered for this layer so far, in arrival order, without repeats."""
+        return list(dict.fromkeys(b.key for b in self.loaded_weights if b.key))
+
+
+@dataclass
+class ReloadSession:
+    """State of one load or reload of a whole model (between initialize and finalize).
+
+    Attributes:
+        device: where the layers are materialized.
+        layers: prefix -> layer, for every layer with a LayerReloadingInfo.
+        first_load: True while loading into a model created on the meta device.
+        atomic: processed layers are staged and committed only at finalize.
+        current_key / current_file: the checkpoint tensor being loaded (for error messages).
+        processed: prefixes of the layers completed so far, in order.
+        buffered_bytes / peak_buffered_bytes: bytes of checkpoint tensors held in buffers (on CPU)
+            by incomplete layers, now and at most during this session (memory-mapped views count,
+            though they cost only page cache).
+    """
+
+    device: torch.device
+    layers: dict[str, nn.Module]
+    first_load: bool
+    atomic: bool = False
+    current_key: Optional[str] = None
+    current_file: Optional[str] = None
+    processed: list[str] = field(default_factory=list)
+    buffered_bytes: int = 0
+    peak_buffered_bytes: int = 0
+    on_layer_done: Optional[Callable[[str], None]] = None
+
+
+def intervals_of_view(offset: int, sizes: tuple, strides: tuple) -> tuple[np.ndarray, int]:
+    """Flat element intervals covered by a strided view of a contiguous storage.
+
+    Args:
+        offset: the view's storage_offset (elements); sizes/strides: the view's shape and strides.
+    Returns:
+        (starts int64 [n], length): the view covers [s, s + length) for each s in starts.
+    """
+    dims = [(s, st) for s, st in zip(sizes, strides) if s != 1]
+    if any(s == 0 for s in sizes):
+        return np.zeros(0, dtype=np.int64), 0
+    if not dims:
+        return np.array([offset], dtype=np.int64), 1
+    merged = [list(dims[-1])]
+    for size, stride in reversed(dims[:-1]):
+        inner_size, inner_stride = merged[0]
+        if stride == inner_size * inner_stride:
+            merged[0] = [inner_size * size, inner_stride]
+        else:
+            merged.insert(0, [size, stride])
+    length = 1
+    if merged[-1][1] == 1:
+        length = merged.pop()[0]
+    starts = np.array([offset], dtype=np.int64)
+    for size, stride in merged:
+        starts = (starts[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).reshape(-1)
+    return starts, length
+
+
+def coverage(writes: list, numel: int) -> tuple[int, int]:
+    """(elements never written, elements written more than once) for one parameter.
+
+    Args:
+        writes: list of (starts, length) from :func:`intervals_of_view`.
+        numel: the parameter's number of elements.
+    """
+    if not writes:
+        return numel, 0
+    starts = np.concatenate([s for s, _ in writes])
+    stops = np.concatenate([s + n for s, n in writes])
+    order = np.argsort(starts, kind="stable")
+    starts, stops = starts[order], stops[order]
+    reach = np.maximum.accumulate(stops)
+    prev_reach = np.concatenate([[0], reach[:-1]])
+    written = int((stops - starts).sum())
+    overlap = int(np.clip(prev_reach - starts, 0, stops - starts).sum())
+    covered = written - overlap
+    return numel - covered, overlap

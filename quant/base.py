@@ -1,0 +1,70 @@
+"""The quantization-method interface and the unquantized method.
+
+A method owns three things for a layer, as in vLLM's ``QuantizeMethodBase``:
+``create_weights`` (checkpoint-format parameters, on whatever device is current, usually meta),
+``process_weights_after_loading`` (turn loaded checkpoint tensors into kernel tensors), and
+``apply`` (the forward).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import NonFiniteError
+from kernels.reference import amax
+from quant.parameters import ModelWeightParameter, WeightLoader
+
+
+def check_finite(layer: nn.Module) -> None:
+    """Raise NonFiniteError naming the first parameter of ``layer`` holding NaN/Inf.
+
+    One pass per parameter through ``aminmax``; no temporary the size of the parameter.
+    """
+    for name, p in layer.named_parameters(recurse=False):
+        if p.is_floating_point() and p.dtype.itemsize > 1 and not bool(torch.isfinite(amax(p))):
+            raise NonFiniteError(f"parameter {name!r} holds NaN or Inf")
+
+
+class QuantMethod:
+    """Base class of linear-layer quantization methods."""
+
+    #: short name used in reports, e.g. "fp8-per-tensor"
+    name = "base"
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: Sequence[int],
+                       params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+        """Register ``weight`` [sum(output_sizes), input_size] in ``params_dtype`` (checkpoint format).
+
+        ``output_sizes`` are this rank's sizes of the fused shards (one entry for unfused layers).
+        """
+        weight = ModelWeightParameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
+                                      weight_loader, output_dim=0, input_dim=1)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded checkpoint-format parameters into kernel tensors (in place on ``layer``).
+
+        Raises:
+            NonFiniteError: a weight holds NaN or Inf.
+        """
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y = x @ W^T + bias for x [..., in] -> y [..., out] in x.dtype."""
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(QuantMethod):
+    """Weights stay in the dtype they were created in; forward is ``F.linear``."""
+
+    name = "none"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        check_finite(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)

@@ -1,0 +1,87 @@
+"""Typed parameters: a parameter carries its weight_loader and its shard layout from construction.
+
+Follows vLLM's ``BasevLLMParameter`` idea (the loader and output_dim/input_dim are constructor
+arguments), so no attribute is ever set on a plain ``nn.Parameter``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor's shape does not fit the parameter region it is loaded into."""
+
+
+class ModelWeightParameter(nn.Parameter):
+    """A parameter in checkpoint format (before ``process_weights_after_loading``).
+
+    Args:
+        data: the storage, usually an empty tensor on the meta device, shape [out, in] for a
+            Linear weight, [out] for a bias or norm weight, [vocab, hidden] for an embedding.
+        weight_loader: ``loader(param, loaded_weight, shard_id=None)`` that writes a checkpoint
+            tensor into this parameter (wrapped by ``online_process_loader`` during layerwise loads).
+        output_dim: dimension split across tensor-parallel ranks for column-parallel layers, or None.
+        input_dim: dimension split across ranks for row-parallel layers, or None.
+    """
+
+    def __new__(cls, data: torch.Tensor, weight_loader: WeightLoader, output_dim: Optional[int] = None,
+                input_dim: Optional[int] = None):
+        return super().__new__(cls, data, requires_grad=False)
+
+    def __init__(self, data: torch.Tensor, weight_loader: WeightLoader, output_dim: Optional[int] = None,
+                 input_dim: Optional[int] = None):
+        self.weight_loader = weight_loader
+        self.output_dim = output_dim
+        self.input_dim = input_dim
+
+    def with_data(self, data: torch.Tensor, weight_loader: Optional[WeightLoader] = None) -> "ModelWeightParameter":
+        """A new parameter of the same type and layout holding ``data`` (same shape required)."""
+        if data.shape != self.shape:
+            raise ValueError(f"with_data: shape {tuple(data.shape)} != {tuple(self.shape)}")
+        return type(self)(data, weight_loader or self.weight_loader, self.output_dim, self.input_dim)
+
+    def load_shard(self, loaded_weight: torch.Tensor, shard_offset: int = 0, shard_size: Optional[int] = None,
+                   tp_rank: int = 0, tp_size: int = 1) -> None:
+        """Copy this rank's slice of a checkpoint tensor into a region of the parameter.
+
+        Along ``output_dim`` (or ``input_dim`` when output_dim is None) the parameter region is
+        ``[shard_offset, shard_offset + shard_size)`` and the checkpoint slice is
+        ``[tp_rank * shard_size, (tp_rank + 1) * shard_size)``; other dimensions must match.
+
+        Args:
+            loaded_weight: checkpoint tensor (CPU, any float dtype; cast on copy).
+        Raises:
+            WeightShapeError: the checkpoint tensor's shape is not the full (unsharded) shape of
+                the region; the message gives both shapes.
+        """
+        dim = self.output_dim if self.output_dim is not None else self.input_dim
+        target = self.data
+        source = loaded_weight
+        if dim is not None:
+            size = self.shape[dim] - shard_offset if shard_size is None else shard_size
+            target = target.narrow(dim, shard_offset, size)
+            expected = list(target.shape)
+            expected[dim] = size * tp_size
+            if list(loaded_weight.shape) != expected:
+                raise WeightShapeError(
+                    f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(expected)}")
+            if tp_size > 1:
+                source = loaded_weight.narrow(dim, tp_rank * size, size)
+        elif loaded_weight.shape != target.shape:
+            raise WeightShapeError(
+                f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(source)
+
+
+def default_weight_loader(param: ModelWeightParameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    """Loader for unsharded parameters (norm weights): whole-tensor copy with a shape check."""
+    if shard_id is not None:
+        raise ValueError(f"default_weight_loader takes no shard_id, got {shard_id!r}")
+    param.load_shard(loaded_weight)
