@@ -11,6 +11,8 @@ rounds onto the e4m3 grid in fp32 first (round half to even on a step of 2^(e-3)
 -6)) using the 1.5 * 2^23 magic-number trick, and then casts a value that is exactly representable.
 The exponent is read from the bits, so no log2 is involved. The sign is taken from the sign bit so
 that -0.0 and negative values that round to zero keep their sign, as torch's cast does.
+BF16 input is read as int16 bits and widened by a shift: the interpreter's own bf16 -> fp32
+conversion flushes subnormals (measured here: 1e-38-scale weights quantized wrongly).
 """
 
 import functools
@@ -36,11 +38,14 @@ _BLOCK_CUDA = 4096
 _BLOCK_INTERPRET = 1 << 16
 
 
-def _amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+def _amax_kernel(x_ptr, partial_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if IS_BF16:  # x_ptr holds the bf16 bits as int16; widening the bits is exact
+        x = (tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.abs(x)
     # NaN -> +inf so that a NaN anywhere makes the amax non-finite (tl.max may drop NaN).
     a = tl.where(a == a, a, float("inf"))
@@ -49,12 +54,15 @@ def _amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
     tl.store(partial_ptr + pid, tl.reduce(a, 0, tl.standard._elementwise_max))
 
 
-def _quantize_kernel(x_ptr, out_ptr, inv_scale_ptr, n, BLOCK: tl.constexpr):
+def _quantize_kernel(x_ptr, out_ptr, inv_scale_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     inv_scale = tl.load(inv_scale_ptr)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if IS_BF16:
+        x = (tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
     bits = y.to(tl.int32, bitcast=True)
     a = tl.abs(y)
@@ -88,10 +96,15 @@ def _check(w: torch.Tensor, name: str) -> None:
 
 
 def _launch(fn, w: torch.Tensor, *args) -> int:
+    """Run ``fn`` over w's elements; ``w`` is passed first (as int16 bits when it is bf16)."""
     interpret = w.device.type == "cpu"
     block = _BLOCK_INTERPRET if interpret else _BLOCK_CUDA
     grid = (triton.cdiv(w.numel(), block),)
-    _build(fn, interpret)[grid](*args, w.numel(), BLOCK=block)
+    is_bf16 = w.dtype == torch.bfloat16
+    # bf16 goes in as its int16 bits: the interpreter (NumPy has no bf16) flushes bf16 subnormals
+    # when converting to fp32, while shifting the bits into the high half of an fp32 is exact.
+    x = w.view(torch.int16) if is_bf16 else w
+    _build(fn, interpret)[grid](x, *args, w.numel(), IS_BF16=is_bf16, BLOCK=block)
     return grid[0]
 
 
@@ -111,7 +124,7 @@ def amax_triton(w: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=w.device)
     block = _BLOCK_INTERPRET if w.device.type == "cpu" else _BLOCK_CUDA
     partial = torch.empty(triton.cdiv(w.numel(), block), dtype=torch.float32, device=w.device)
-    _launch(_amax_kernel, w, w, partial)
+    _launch(_amax_kernel, w, partial)
     return partial.amax()
 
 
@@ -137,7 +150,7 @@ def quantize_triton(w: torch.Tensor, scale: torch.Tensor, out: Optional[torch.Te
     if w.numel() == 0:
         return out
     inv_scale = torch.reciprocal(scale.reshape(1).to(device=w.device, dtype=torch.float32))
-    _launch(_quantize_kernel, w, w, out, inv_scale)
+    _launch(_quantize_kernel, w, out, inv_scale)
     return out
 
 

@@ -76,9 +76,12 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = No
     inv_scale = torch.reciprocal(scale.reshape(()).float())
     src = w.reshape(-1)
     dst = out.view(-1)
+    # A separate float32 buffer: the input is never written, even when it is float32 already.
+    buf = torch.empty(min(CHUNK_NUMEL, src.numel()), dtype=torch.float32, device=w.device)
     for start in range(0, src.numel(), CHUNK_NUMEL):
         stop = min(start + CHUNK_NUMEL, src.numel())
-        tmp = src[start:stop].to(torch.float32)
+        tmp = buf[: stop - start]
+        tmp.copy_(src[start:stop])
         tmp.mul_(inv_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         dst[start:stop].copy_(tmp)
     return out

@@ -172,8 +172,8 @@ def load_model(path: str | os.PathLike, quantization: Optional[str] = "fp8", dev
             with quantization none): torch.dtype or name; default: config.json's dtype, else bf16.
         kernel: "torch" or "triton" for the FP8 quantization kernels; None = triton on CUDA,
             torch on CPU. "triton" on CPU runs Triton's interpreter (slow; for testing).
-        fp8_mode: forward of FP8 layers: "auto" (W8A8 via torch._scaled_mm where it runs),
-            "w8a8", or "w8a16" (dequantize, then matmul).
+        fp8_mode: forward of FP8 layers: "auto" (W8A8 via torch._scaled_mm on CUDA sm89+, W8A16
+            elsewhere), "w8a8" (also on CPU, slowly), or "w8a16" (dequantize, then matmul).
     Returns:
         the model in eval mode; ``model(input_ids [B, T]) -> logits [B, T, vocab]``.
     Raises:

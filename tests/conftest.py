@@ -1,0 +1,19 @@
+import pytest
+
+from tests.hf_checkpoints import write_hf_checkpoint
+
+ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def hf_checkpoint(request, tmp_path_factory):
+    """(architecture, path) of a 2-layer BF16 checkpoint saved by transformers, sharded."""
+    arch = request.param
+    return arch, write_hf_checkpoint(tmp_path_factory.mktemp(arch), arch)
+
+
+@pytest.fixture(scope="session")
+def qwen3_8_layers(tmp_path_factory):
+    """An 8-layer Qwen3 checkpoint whose decoder layers outweigh its embedding."""
+    return write_hf_checkpoint(tmp_path_factory.mktemp("qwen3-8"), "Qwen3ForCausalLM", num_layers=8,
+                               hidden=128, intermediate=384, vocab=256, max_shard_size="200KB")

@@ -1,0 +1,66 @@
+"""Small Hugging Face checkpoints written by transformers' own save_pretrained (BF16, sharded).
+
+Norm weights and biases are randomized (transformers initializes them to 1 and 0), so that a
+routing mistake in any of them changes the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def hf_config(arch: str, num_layers: int = 2, hidden: int = 64, intermediate: int = 160, vocab: int = 128,
+              tie: bool | None = None):
+    import transformers
+
+    common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab,
+                  initializer_range=0.05, max_position_embeddings=256)
+    if arch == "LlamaForCausalLM":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return transformers.LlamaConfig(**common, rope_parameters=rope,
+                                        tie_word_embeddings=False if tie is None else tie)
+    if arch == "Qwen2ForCausalLM":
+        return transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                        tie_word_embeddings=True if tie is None else tie)
+    if arch == "Qwen3ForCausalLM":
+        return transformers.Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                        tie_word_embeddings=False if tie is None else tie)
+    raise ValueError(arch)
+
+
+def write_hf_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: str = "64KB", **kw) -> Path:
+    """Build a random model of ``arch`` with transformers and save_pretrained it in BF16."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(arch, **kw)
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.to(torch.bfloat16).save_pretrained(path, max_shard_size=max_shard_size)
+    return Path(path)
+
+
+def hf_logits(path: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own float32 forward of the checkpoint at ``path``: logits [B, T, vocab]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids).logits.float()
+
+
+def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB, as torchao's compute_error."""
+    noise = (reference.double() - test.double()).pow(2).sum()
+    return float(10 * torch.log10(reference.double().pow(2).sum() / noise))

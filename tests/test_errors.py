@@ -1,0 +1,127 @@
+"""Each bad input raises a specific exception whose message names the tensor key or the file."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import layerwise
+from layerwise.demo import write_checkpoint
+
+TINY = {
+    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
+}
+KEY = "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return write_checkpoint(tmp_path / "ckpt", TINY, max_shard_bytes=8 << 10)
+
+
+def _shard_of(path, key):
+    with open(path / "model.safetensors.index.json") as f:
+        return json.load(f)["weight_map"][key]
+
+
+def _edit(path, key, fn):
+    """Rewrite the shard holding ``key`` with fn(tensors) applied (the index is updated too)."""
+    shard = _shard_of(path, key)
+    tensors = load_file(str(path / shard))
+    fn(tensors)
+    save_file(tensors, str(path / shard))
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard}
+    index["weight_map"].update({k: shard for k in tensors})
+    index_path.write_text(json.dumps(index))
+    return shard
+
+
+def test_clean_checkpoint_loads(ckpt):
+    layerwise.load_model(ckpt)
+
+
+def test_missing_config(ckpt):
+    os.remove(ckpt / "config.json")
+    with pytest.raises(layerwise.CheckpointError, match="config.json") as e:
+        layerwise.load_model(ckpt)
+    assert e.value.file == str(ckpt / "config.json")
+
+
+def test_unknown_architecture_lists_supported(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(layerwise.UnsupportedArchitectureError) as e:
+        layerwise.load_model(ckpt)
+    msg = str(e.value)
+    assert "MambaForCausalLM" in msg and "config.json" in msg
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in msg
+
+
+def test_parameter_never_provided(ckpt):
+    _edit(ckpt, KEY, lambda t: t.pop(KEY))
+    with pytest.raises(layerwise.MissingWeightError) as e:
+        layerwise.load_model(ckpt)
+    # the fused parameter that up_proj feeds, and how much of it is missing
+    assert "model.layers.1.mlp.gate_up_proj.weight" in str(e.value)
+    assert f"{TINY['intermediate_size'] * TINY['hidden_size']} of" in str(e.value)
+
+
+def test_unexpected_tensor(ckpt):
+    shard = _edit(ckpt, KEY, lambda t: t.update({"model.layers.1.mlp.extra_proj.weight": torch.zeros(2, 2)}))
+    with pytest.raises(layerwise.UnexpectedWeightError) as e:
+        layerwise.load_model(ckpt)
+    assert e.value.key == "model.layers.1.mlp.extra_proj.weight"
+    assert "extra_proj" in str(e.value) and shard in str(e.value)
+
+
+def test_rotary_inv_freq_is_skipped(ckpt):
+    key = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    _edit(ckpt, "model.layers.0.self_attn.q_proj.weight", lambda t: t.update({key: torch.ones(4)}))
+    ref = layerwise.load_model(ckpt, quantization=None)
+    assert ref.model.layers[0].self_attn.rotary_emb.inv_freq.shape == (4,)
+
+
+def test_shape_mismatch(ckpt):
+    shard = _edit(ckpt, KEY, lambda t: t.update({KEY: torch.zeros(TINY["intermediate_size"] + 1,
+                                                                   TINY["hidden_size"], dtype=torch.bfloat16)}))
+    with pytest.raises(layerwise.WeightShapeError) as e:
+        layerwise.load_model(ckpt)
+    assert e.value.key == KEY
+    assert KEY in str(e.value) and shard in str(e.value) and "(65, 32)" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("key", [KEY, "model.layers.0.input_layernorm.weight"])
+def test_non_finite_weight(ckpt, bad, key):
+    def poison(t):
+        t[key] = t[key].clone()
+        t[key].view(-1)[3] = bad
+    _edit(ckpt, key, poison)
+    with pytest.raises(layerwise.NonFiniteWeightError) as e:
+        layerwise.load_model(ckpt)
+    assert e.value.key == key and key in str(e.value)
+
+
+def test_shard_listed_in_index_is_absent(ckpt):
+    shard = _shard_of(ckpt, KEY)
+    os.remove(ckpt / shard)
+    with pytest.raises(layerwise.CheckpointError) as e:
+        layerwise.load_model(ckpt)
+    assert shard in str(e.value) and e.value.file == str(ckpt / shard)
+
+
+def test_no_weights_at_all(tmp_path, ckpt):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(ckpt / "config.json", empty / "config.json")
+    with pytest.raises(layerwise.CheckpointError, match="model.safetensors"):
+        layerwise.load_model(empty)
