@@ -4,11 +4,12 @@ from layerwise.errors import (CheckpointError, DuplicateWeightError, LayerwiseEr
                               NonFiniteWeightError, ReloadError, UnexpectedWeightError,
                               UnsupportedArchitectureError, WeightShapeError)
 from layerwise.loader import LoadReport, load_model, load_model_with_report
+from layerwise.reloading import ReloadReport, reload_weights
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "DuplicateWeightError", "LayerwiseError", "LoadReport", "MissingWeightError",
     "NonFiniteWeightError", "ReloadError", "UnexpectedWeightError", "UnsupportedArchitectureError",
-    "WeightShapeError", "load_model", "load_model_with_report",
+    "ReloadReport", "WeightShapeError", "load_model", "load_model_with_report", "reload_weights",
 ]

@@ -66,3 +66,5 @@ class ReloadError(LayerwiseError):
     def __init__(self, message: str, updated_layers=(), key=None, file=None):
         super().__init__(message, key=key, file=file)
         self.updated_layers = list(updated_layers)
+        #: the underlying error (UnexpectedWeightError, WeightShapeError, ...), when there is one
+        self.cause: Optional[LayerwiseError] = None

@@ -41,9 +41,20 @@ class CausalLM(nn.Module):
         """Route (checkpoint key, tensor) pairs to the parameters' weight loaders (see loading.py)."""
         return load_weights(self, weights, skip=self.skip_checkpoint_key)
 
-    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """input_ids LongTensor [B, T] -> logits [B, T, vocab] in the parameters' dtype."""
+    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                kv_caches: Optional[list] = None) -> torch.Tensor:
+        """Logits for a batch of token ids.
+
+        Args:
+            input_ids: int64 [B, T].
+            positions: int64 [B, T], default 0..T-1 for every row.
+            kv_caches: optional list, one (k_cache, v_cache) per decoder layer, each
+                [B, L, num_kv_heads, head_dim]; k/v are written at ``positions`` and attention
+                covers cached positions <= each token's own (see layers/attention.py).
+        Returns:
+            logits [B, T, vocab] in the parameters' dtype.
+        """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        hidden = self.model(input_ids, positions)
+        hidden = self.model(input_ids, positions, kv_caches)
         return torch.nn.functional.linear(hidden, self.lm_head.weight)

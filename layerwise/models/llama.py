@@ -6,13 +6,15 @@ except that q/k/v and gate/up are fused layers that declare the checkpoint names
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from layerwise.config import ModelConfig
 from layerwise.distributed import get_tp_size
-from layerwise.layers.attention import causal_attention
+from layerwise.layers.attention import attention
 from layerwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from layerwise.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from layerwise.layers.norm import RMSNorm
@@ -63,7 +65,7 @@ class LlamaAttention(nn.Module):
         """Hook for per-head q/k normalization (identity in Llama)."""
         return q, k
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[tuple] = None) -> torch.Tensor:
         b, t, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -72,7 +74,7 @@ class LlamaAttention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(causal_attention(q, k, v, self.scale))
+        return self.o_proj(attention(q, k, v, positions, kv_cache, self.scale))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,8 +90,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, quant_config, dtype, f"{prefix}.mlp")
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[tuple] = None) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -104,10 +106,10 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Optional[list] = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x)
+        for i, layer in enumerate(self.layers):
+            x = layer(positions, x, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
 
 

@@ -1,0 +1,127 @@
+"""A small generation engine: static KV cache, greedy decoding, CUDA-graph-captured decode step.
+
+The decode step has static shapes (max_batch_size x 1 tokens against a max_seq_len cache), so on
+CUDA it is captured once with ``torch.cuda.CUDAGraph`` and replayed. Reloading weights writes into
+the very tensors the graph reads (see :func:`layerwise.reload_weights`), so the graph is never
+recaptured. On CPU the same step runs eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from layerwise.reloading import ReloadReport, Weights, reload_weights
+
+
+class Engine:
+    """Greedy generation over a loaded model.
+
+    Args:
+        model: a model from :func:`layerwise.load_model`.
+        max_batch_size: most prompts per ``generate`` call (the captured batch size).
+        max_seq_len: most tokens per sequence, prompt plus generated (the KV cache length).
+        use_cuda_graph: capture the decode step; default: True on CUDA, and never on CPU.
+    Raises:
+        ValueError: use_cuda_graph=True on a non-CUDA model.
+    Memory: the KV cache takes 2 x layers x max_batch_size x max_seq_len x kv_heads x head_dim
+    elements of the embedding dtype.
+    """
+
+    def __init__(self, model: nn.Module, max_batch_size: int = 8, max_seq_len: int = 256,
+                 use_cuda_graph: Optional[bool] = None):
+        self.model = model
+        embed = model.model.embed_tokens.weight
+        self.device, self.dtype = embed.device, embed.dtype
+        cfg = model.config
+        attn = model.model.layers[0].self_attn
+        shape = (max_batch_size, max_seq_len, attn.num_kv_heads, attn.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(cfg.num_hidden_layers)]
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        if use_cuda_graph is None:
+            use_cuda_graph = self.device.type == "cuda"
+        if use_cuda_graph and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a model on a CUDA device")
+        self.use_cuda_graph = use_cuda_graph
+        self._ids = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
+        self._logits: Optional[torch.Tensor] = None
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.captures = 0
+
+    @classmethod
+    def from_pretrained(cls, path, max_batch_size: int = 8, max_seq_len: int = 256, **load_kwargs) -> "Engine":
+        """Load ``path`` with :func:`layerwise.load_model` (same keyword arguments) and wrap it."""
+        from layerwise.loader import load_model
+
+        return cls(load_model(path, **load_kwargs), max_batch_size, max_seq_len)
+
+    def _decode_step(self) -> torch.Tensor:
+        return self.model(self._ids, self._pos, self.kv_caches)[:, -1]
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels and allocator outside the graph
+                self._decode_step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._logits = self._decode_step()
+        self.captures += 1
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self._ids.copy_(tokens)
+        self._pos.copy_(positions)
+        if not self.use_cuda_graph:
+            return self._decode_step()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self._logits
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuation of each prompt.
+
+        Args:
+            prompts: up to ``max_batch_size`` lists of token ids, each non-empty.
+            max_new_tokens: tokens to generate per prompt.
+        Returns:
+            one list of ``max_new_tokens`` new token ids per prompt.
+        Raises:
+            ValueError: too many prompts, an empty prompt, or prompt + new tokens > max_seq_len.
+        """
+        if not 0 < len(prompts) <= self.max_batch_size:
+            raise ValueError(f"between 1 and {self.max_batch_size} prompts, got {len(prompts)}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        if max(len(p) for p in prompts) + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt + {max_new_tokens} new tokens exceeds max_seq_len={self.max_seq_len}")
+        if max_new_tokens <= 0:
+            return [[] for _ in prompts]
+        b = self.max_batch_size
+        tokens = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+        positions = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+        for i, prompt in enumerate(prompts):  # prefill one sequence at a time into its cache row
+            ids = torch.tensor([prompt], device=self.device)
+            pos = torch.arange(len(prompt), device=self.device)[None]
+            caches = [(k[i:i + 1], v[i:i + 1]) for k, v in self.kv_caches]
+            tokens[i, 0] = self.model(ids, pos, caches)[0, -1].argmax()
+            positions[i, 0] = len(prompt)
+        out = [tokens[:, 0].clone()]
+        for _ in range(max_new_tokens - 1):  # rows past len(prompts) decode padding and are ignored
+            tokens = self._decode(tokens, positions).argmax(-1, keepdim=True)
+            positions = positions + 1
+            out.append(tokens[:, 0].clone())
+        generated = torch.stack(out, dim=1).tolist()
+        return [generated[i] for i in range(len(prompts))]
+
+    def reload_weights(self, weights: Weights, **kwargs) -> ReloadReport:
+        """:func:`layerwise.reload_weights` on the engine's model; the captured graph stays valid."""
+        return reload_weights(self.model, weights, **kwargs)
