@@ -1,4 +1,4 @@
-"""Command line: ``layerwise load PATH``, ``layerwise demo``."""
+"""Command line: ``layerwise load PATH``, ``layerwise demo``, ``layerwise reload [PATH_A PATH_B]``."""
 
 from __future__ import annotations
 
@@ -58,6 +58,41 @@ def _demo(args) -> int:
     return 0
 
 
+def _reload(args) -> int:
+    from layerwise.demo import demo_checkpoint
+    from layerwise.engine import Engine
+
+    if (args.path_a is None) != (args.path_b is None):
+        print("give both PATH_A and PATH_B, or neither (demo checkpoints)", file=sys.stderr)
+        return 2
+    path_a = args.path_a or demo_checkpoint(args.cache_dir, seed=0)
+    path_b = args.path_b or demo_checkpoint(args.cache_dir, seed=1)
+    quant = None if args.quantization == "none" else args.quantization
+    prompts = [[1, 17, 42, 7], [5, 3]]
+    engine = Engine.from_pretrained(path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=quant,
+                                    device=args.device)
+    tokens_a = engine.generate(prompts, args.tokens)
+    tensors = list(engine.model.named_parameters()) + list(engine.model.named_buffers())
+    addresses = {name: (t, t.data_ptr()) for name, t in tensors}
+    report = engine.reload_weights(path_b)
+    tokens_after = engine.generate(prompts, args.tokens)
+    fresh = Engine.from_pretrained(path_b, max_batch_size=len(prompts), max_seq_len=64, quantization=quant,
+                                   device=args.device)
+    tokens_b = fresh.generate(prompts, args.tokens)
+    now = dict(list(engine.model.named_parameters()) + list(engine.model.named_buffers()))
+    kept = sum(now[n] is t and now[n].data_ptr() == ptr for n, (t, ptr) in addresses.items())
+    print(f"A: {path_a}\nB: {path_b}")
+    print(f"generated on A:            {tokens_a}")
+    print(f"after reloading B:         {tokens_after}")
+    print(f"fresh engine on B:         {tokens_b}")
+    print(f"outputs follow B:          {tokens_after == tokens_b}")
+    print(f"tensors kept in place:     {kept}/{len(addresses)} (same object, same data_ptr)")
+    print(f"layers updated:            {len(report.updated_layers)} in {report.seconds:.3f} s")
+    if engine.use_cuda_graph:
+        print(f"CUDA graph captures:       {engine.captures}")
+    return 0 if tokens_after == tokens_b and kept == len(addresses) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layerwise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cache-dir", default=None)
     demo.add_argument("--tokens", type=int, default=8)
     demo.set_defaults(func=_demo)
+    reload = sub.add_parser("reload", help="load A, generate, hot-reload B in place, generate, compare with B")
+    reload.add_argument("path_a", nargs="?", default=None, help="default: the demo checkpoint")
+    reload.add_argument("path_b", nargs="?", default=None, help="default: the demo checkpoint with seed 1")
+    reload.add_argument("--quantization", default="fp8", choices=["fp8", "fp8-per-tensor", "none"])
+    reload.add_argument("--device", default="cpu")
+    reload.add_argument("--cache-dir", default=None)
+    reload.add_argument("--tokens", type=int, default=8)
+    reload.set_defaults(func=_reload)
     return parser
 
 

@@ -98,11 +98,15 @@ def write_checkpoint(path: str | os.PathLike, config: dict, seed: int = 0, max_s
     return path
 
 
-def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The demo checkpoint's directory, generated on first use (about 52 MiB of BF16)."""
-    path = Path(cache_dir or default_cache_dir()) / "demo-qwen3-8l"
+def demo_checkpoint(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """The demo checkpoint's directory, generated on first use (about 52 MiB of BF16).
+
+    ``seed`` selects the weights (seed 1 is the "new policy" used by ``layerwise reload``).
+    """
+    name = "demo-qwen3-8l" if seed == 0 else f"demo-qwen3-8l-seed{seed}"
+    path = Path(cache_dir or default_cache_dir()) / name
     if not (path / "model.safetensors.index.json").exists():
-        write_checkpoint(path, DEMO_CONFIG)
+        write_checkpoint(path, DEMO_CONFIG, seed=seed)
     return path
 
 

@@ -13,7 +13,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from layerwise.errors import UnexpectedWeightError
+from layerwise.errors import DuplicateWeightError, UnexpectedWeightError
+from layerwise.reload.layerwise import get_layerwise_info
 
 
 def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_id=None) -> None:
@@ -24,6 +25,10 @@ def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_i
             raise UnexpectedWeightError(f"{type(module).__name__} has no parameter {head!r}", key=key)
         loader = getattr(param, "weight_loader", None)
         if loader is None:
+            info = get_layerwise_info(module)
+            if info is not None and info.done:  # processed earlier in this load/reload session
+                raise DuplicateWeightError(f"layer {info.prefix} was already loaded in this session; "
+                                           f"{info.prefix}.{head} is written again", key=key)
             raise UnexpectedWeightError(
                 f"parameter {head!r} of {type(module).__name__} is in kernel format; reload with "
                 f"layerwise.reload_weights instead of calling load_weights directly", key=key)

@@ -1,6 +1,7 @@
 """The CLI on checkpoints written by transformers, and the demo."""
 
 import json
+import re
 
 import pytest
 
@@ -32,3 +33,11 @@ def test_demo_runs(tmp_path, capsys):
 def test_unknown_quantization_is_rejected(hf_checkpoint):
     with pytest.raises(SystemExit):
         main(["load", str(hf_checkpoint[1]), "--quantization", "int3"])
+
+
+def test_reload_command_shows_outputs_follow_b_in_place(tmp_path, capsys):
+    assert main(["reload", "--cache-dir", str(tmp_path), "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs follow B:          True" in out
+    n, total = re.search(r"tensors kept in place:\s+(\d+)/(\d+)", out).groups()
+    assert n == total and int(total) > 50

@@ -1,0 +1,250 @@
+"""Hot reload: in place, byte-equal to a fresh load, partial/interleaved/tied, exact coverage, rollback."""
+
+import random
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.checkpoint import Checkpoint
+from layerwise.engine import Engine
+from layerwise.memory import DeviceMemoryTracker
+from layerwise.reloading import model_digest
+from tests.hf_checkpoints import write_hf_checkpoint
+
+ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM"]  # Qwen2 here is tied, Qwen3 untied
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request, tmp_path_factory):
+    """(A, B): two checkpoints of the same architecture and shape with different weights."""
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"reload-{arch}")
+    return (write_hf_checkpoint(root / "a", arch, seed=0, num_layers=3),
+            write_hf_checkpoint(root / "b", arch, seed=1, num_layers=3))
+
+
+def _bytes(t):
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _assert_same_bytes(model, reference):
+    sd, ref = model.state_dict(), reference.state_dict()
+    assert sd.keys() == ref.keys()
+    for name in sd:
+        assert sd[name].dtype == ref[name].dtype, name
+        assert torch.equal(_bytes(sd[name]), _bytes(ref[name])), name
+
+
+def _snapshot(model):
+    return {n: (t, t.data_ptr(), t.dtype, t.shape, t.stride())
+            for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+
+def _assert_in_place(model, snap):
+    now = _snapshot(model)
+    assert now.keys() == snap.keys()
+    for name, (t, ptr, dtype, shape, stride) in snap.items():
+        t2, ptr2, dtype2, shape2, stride2 = now[name]
+        assert t2 is t, f"{name}: a new tensor object"
+        assert (ptr2, dtype2, shape2, stride2) == (ptr, dtype, shape, stride), name
+
+
+@pytest.mark.parametrize("quantization", ["fp8", None])
+def test_reload_equals_fresh_load_and_stays_in_place(pair, quantization):
+    a, b = pair
+    model = layerwise.load_model(a, quantization=quantization)
+    snap = _snapshot(model)
+    before = model_digest(model)
+    report = layerwise.reload_weights(model, b)
+    _assert_in_place(model, snap)
+    _assert_same_bytes(model, layerwise.load_model(b, quantization=quantization))
+    assert model_digest(model) != before
+    assert "model.layers.2.self_attn.qkv_proj" in report.updated_layers
+
+
+def test_reload_from_an_in_memory_stream_on_any_device_order(pair):
+    a, b = pair
+    model = layerwise.load_model(a)
+    stream = [(k, t.clone()) for k, t in Checkpoint(b)]
+    random.Random(0).shuffle(stream)  # tensors of all layers interleaved
+    report = layerwise.reload_weights(model, stream)
+    _assert_same_bytes(model, layerwise.load_model(b))
+    assert report.peak_buffered_bytes > 0  # layers waited for their remaining shards, on CPU
+
+
+def test_partial_update_changes_only_named_layers(pair):
+    a, b = pair
+    model = layerwise.load_model(a)
+    reference_a = layerwise.load_model(a)
+    reference_b = layerwise.load_model(b)
+    stream = [(k, t) for k, t in Checkpoint(b) if k.startswith("model.layers.1.self_attn.")]
+    report = layerwise.reload_weights(model, stream)
+    assert set(report.updated_layers) == {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"} | (
+        {"model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.k_norm"}
+        if model.config.architectures == ["Qwen3ForCausalLM"] else set())
+    sd, sa, sb = model.state_dict(), reference_a.state_dict(), reference_b.state_dict()
+    for name in sd:
+        expected = sb if name.startswith("model.layers.1.self_attn.") and "rotary" not in name else sa
+        assert torch.equal(_bytes(sd[name]), _bytes(expected[name])), name
+
+
+def test_tied_embedding_reload_is_what_lm_head_uses(tmp_path):
+    a = write_hf_checkpoint(tmp_path / "a", "Qwen2ForCausalLM", seed=0, tie=True)
+    b = write_hf_checkpoint(tmp_path / "b", "Qwen2ForCausalLM", seed=1, tie=True)
+    model = layerwise.load_model(a)
+    layerwise.reload_weights(model, [(k, t) for k, t in Checkpoint(b) if "embed_tokens" in k])
+    embed_b = Checkpoint(b).get_tensor("model.embed_tokens.weight")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, embed_b)
+    ids = torch.tensor([[1, 2, 3]])
+    hidden = model.model(ids, torch.arange(3)[None])
+    assert torch.equal(model(ids), torch.nn.functional.linear(hidden, embed_b))
+
+
+def test_double_write_within_a_layer_is_an_error(pair):
+    a, b = pair
+    model = layerwise.load_model(a)
+    ckpt = Checkpoint(b)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    k = "model.layers.0.self_attn.k_proj.weight"
+    # q twice and no v: the element count reaches the total, but the regions tell the truth
+    stream = [(q, ckpt.get_tensor(q)), (k, ckpt.get_tensor(k)), (q, ckpt.get_tensor(q))]
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, stream)
+    assert isinstance(e.value.cause, layerwise.DuplicateWeightError)
+    assert "qkv_proj.weight" in str(e.value) and "more than once" in str(e.value)
+    _assert_same_bytes(model, layerwise.load_model(a))
+
+
+def test_double_write_after_a_layer_completed_is_an_error(pair):
+    a, b = pair
+    model = layerwise.load_model(a)
+    key = "model.layers.0.mlp.down_proj.weight"
+    tensor = Checkpoint(b).get_tensor(key)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, [(key, tensor), (key, tensor)])
+    assert isinstance(e.value.cause, layerwise.DuplicateWeightError) and e.value.key == key
+    assert e.value.updated_layers == ["model.layers.0.mlp.down_proj"]
+
+
+def test_missing_region_is_an_error_at_finalize(pair):
+    a, b = pair
+    model = layerwise.load_model(a)
+    stream = [(k, t) for k, t in Checkpoint(b) if k != "model.layers.2.self_attn.v_proj.weight"]
+    with pytest.raises(layerwise.MissingWeightError) as e:
+        layerwise.reload_weights(model, stream)
+    assert "model.layers.2.self_attn.qkv_proj.weight" in str(e.value) and "never written" in str(e.value)
+    assert isinstance(e.value, layerwise.ReloadError)
+    assert "model.layers.0.self_attn.qkv_proj" in e.value.updated_layers
+    assert "model.layers.2.self_attn.qkv_proj" not in e.value.updated_layers
+    # the incomplete layer kept its old values and the model still runs
+    ref_a = layerwise.load_model(a)
+    qkv = model.model.layers[2].self_attn.qkv_proj
+    assert torch.equal(_bytes(qkv.weight), _bytes(ref_a.model.layers[2].self_attn.qkv_proj.weight))
+    model(torch.tensor([[1, 2, 3]]))
+
+
+def _failing_stream(b, bad):
+    """B's tensors in order, with layer 2's up_proj replaced by ``bad(tensor)`` (or an unknown key)."""
+    for key, tensor in Checkpoint(b):
+        if key == "model.layers.2.mlp.up_proj.weight":
+            yield bad(key, tensor)
+        else:
+            yield key, tensor
+
+
+BAD = {
+    "unknown name": lambda k, t: ("model.layers.2.mlp.up_projj.weight", t),
+    "wrong shape": lambda k, t: (k, t[:-1]),
+    "non-finite": lambda k, t: (k, torch.where(torch.arange(t.numel()).view(t.shape) == 5, float("nan"), t)),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_atomic_reload_that_fails_halfway_changes_nothing(pair, kind):
+    a, b = pair
+    model = layerwise.load_model(a)
+    snap = _snapshot(model)
+    before = model_digest(model)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, _failing_stream(b, BAD[kind]), atomic=True)
+    assert e.value.updated_layers == []
+    assert model_digest(model) == before
+    _assert_in_place(model, snap)
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_non_atomic_failure_lists_updated_layers_and_spares_the_rest(pair, kind):
+    a, b = pair
+    model = layerwise.load_model(a)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, _failing_stream(b, BAD[kind]))
+    updated = e.value.updated_layers
+    assert "model.layers.1.mlp.gate_up_proj" in updated and "model.layers.0.self_attn.qkv_proj" in updated
+    assert "model.layers.2.mlp.gate_up_proj" not in updated
+    assert "layers already updated" in str(e.value) and "model.layers.2.mlp.up_proj" in str(e.value)
+    ref_a, ref_b = layerwise.load_model(a).state_dict(), layerwise.load_model(b).state_dict()
+    for name, t in model.named_parameters():  # deduplicated: a tied lm_head is embed_tokens
+        layer = name.rsplit(".", 1)[0]
+        expected = ref_b if layer in updated else ref_a
+        assert torch.equal(_bytes(t), _bytes(expected[name])), name
+
+
+def test_kernel_format_reload_copies_fp8_directly(pair):
+    a, b = pair
+    model = layerwise.load_model(a)
+    snap = _snapshot(model)
+    fresh_b = layerwise.load_model(b)
+    layerwise.reload_weights(model, list(fresh_b.state_dict().items()), is_checkpoint_format=False)
+    _assert_in_place(model, snap)
+    _assert_same_bytes(model, fresh_b)
+    with pytest.raises(layerwise.ReloadError):
+        layerwise.reload_weights(model, [("model.layers.0.mlp.down_proj.weight", torch.zeros(3))],
+                                 is_checkpoint_format=False)
+
+
+def test_reload_peak_is_bounded_by_two_layers(qwen3_8_layers, tmp_path):
+    b = write_hf_checkpoint(tmp_path / "b", "Qwen3ForCausalLM", seed=5, num_layers=8, hidden=128,
+                            intermediate=384, vocab=256, max_shard_size="200KB")
+    model, report = layerwise.load_model_with_report(qwen3_8_layers)
+    with DeviceMemoryTracker("cpu") as tracker:  # counts only what the reload allocates
+        layerwise.reload_weights(model, b)
+    assert tracker.peak_bytes <= 2.0 * report.largest_layer_checkpoint_bytes
+    assert tracker.final_bytes == 0  # nothing left behind
+
+
+def test_engine_output_after_reload_equals_fresh_engine(pair):
+    a, b = pair
+    prompts = [[1, 2, 3, 4], [9, 8, 7], [5]]
+    engine = Engine.from_pretrained(a, max_batch_size=4, max_seq_len=32)
+    before = engine.generate(prompts, 6)
+    snap = _snapshot(engine.model)
+    engine.reload_weights(b)
+    _assert_in_place(engine.model, snap)
+    after = engine.generate(prompts, 6)
+    assert after == Engine.from_pretrained(b, max_batch_size=4, max_seq_len=32).generate(prompts, 6)
+    assert after != before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_cuda_graph_survives_reload(pair):
+    a, b = pair
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32, device="cuda")
+    engine.generate(prompts, 4)
+    graph = engine.graph
+    engine.reload_weights(b)
+    after = engine.generate(prompts, 6)
+    assert engine.graph is graph and engine.captures == 1
+    fresh = Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, device="cuda", )
+    assert after == fresh.generate(prompts, 6)
+
+
+def test_engine_kv_cache_matches_full_recompute(pair):
+    from layerwise.demo import greedy_tokens
+
+    a, _ = pair
+    engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32)
+    prompts = [[3, 1, 4, 1, 5], [2, 7]]
+    assert engine.generate(prompts, 5) == [greedy_tokens(engine.model, p, 5) for p in prompts]
