@@ -1,7 +1,9 @@
 """FP8 kernels: Triton implementations and their bit-exact torch reference.
 
-``kernel`` selects the implementation: ``"torch"`` (the reference), ``"triton"`` (compiled on CUDA,
-interpreted on CPU), or ``None`` for the device default (triton on CUDA, torch elsewhere).
+``kernel`` selects the implementation: ``"torch"`` (the reference; on CPU, large per-tensor
+tensors take a fused compiled version of it), ``"triton"`` (compiled on CUDA, interpreted on
+CPU), or ``None`` for the device default (triton on CUDA, torch elsewhere).
+``granularity`` is "tensor", "channel" (one scale per output row) or "block" (128 x 128).
 This package imports only torch and triton.
 """
 
@@ -9,19 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
-from kernels.fp8 import HAS_TRITON, amax_triton, quantize_triton
-from kernels.reference import FP8_DTYPE, FP8_E4M3_MAX, NonFiniteError, dequantize, scale_from_amax
+from kernels import cpu_fused, reference
+from kernels.reference import (BLOCK_SIZE, FP8_DTYPE, FP8_E4M3_MAX, GRANULARITIES, NonFiniteError, scale_from_amax,
+                               scale_layout, scale_shape)
+from kernels.triton_common import HAS_TRITON
 
 KERNELS = ("torch", "triton")
 
 
 def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
-    """Pick the kernel name for ``device``.
-
-    Raises:
-        ValueError: unknown kernel name.
-    """
+    """Pick the kernel name for ``device``. Raises ValueError for an unknown name."""
     if kernel is None:
         return "triton" if torch.device(device).type == "cuda" and HAS_TRITON else "torch"
     if kernel not in KERNELS:
@@ -29,34 +28,60 @@ def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
     return kernel
 
 
-def fp8_amax(w: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
-    """max(|w|) as a 0-d float32 tensor (non-finite when ``w`` is)."""
-    return amax_triton(w.contiguous()) if kernel == "triton" else reference.amax(w)
-
-
-def fp8_quantize(w: torch.Tensor, scale: torch.Tensor, kernel: str = "torch", out=None) -> torch.Tensor:
-    """Quantize ``w`` with one float32 scale to float8_e4m3fn of the same shape."""
+def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch") -> torch.Tensor:
+    """max(|w|) per group as float32 of :func:`scale_shape` (non-finite where w is)."""
     if kernel == "triton":
-        return quantize_triton(w.contiguous(), scale, out)
-    return reference.quantize(w, scale, out)
+        from kernels.ops import fp8_amax_triton
+
+        return fp8_amax_triton(w, granularity)
+    return reference.amax(w, granularity)
 
 
-def fp8_quantize_per_tensor(w: torch.Tensor, kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """amax -> scale -> quantize for one tensor.
+def fp8_quantize(w: torch.Tensor, scale: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
+    """Quantize ``w`` with ``scale`` (layout read off its shape) to float8_e4m3fn of w's shape."""
+    if kernel == "triton":
+        from kernels.ops import fp8_quantize_triton
+
+        return fp8_quantize_triton(w, scale)
+    if cpu_fused.use_fused(w, scale_layout(w, scale)):
+        return cpu_fused.quantize_per_tensor_fused(w, torch.reciprocal(scale.float()))
+    return reference.quantize(w, scale)
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernel: str = "torch") -> torch.Tensor:
+    """float32(q) * scale cast to ``dtype``; shape of q."""
+    if kernel == "triton":
+        from kernels.ops import fp8_dequantize_triton
+
+        return fp8_dequantize_triton(q, scale, dtype)
+    return reference.dequantize(q, scale, dtype)
+
+
+def fp8_quantize_weight(w: torch.Tensor, granularity: str = "tensor",
+                        kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """amax -> scale -> quantize.
 
     Args:
-        w: floating tensor [*], bf16/fp16/fp32.
+        w: bf16/fp16/fp32 tensor; 2-D [N, K] for "channel" and "block".
+        granularity: "tensor", "channel" or "block".
         kernel: "torch" or "triton".
     Returns:
-        (q, scale): float8_e4m3fn tensor of ``w``'s shape, 0-d float32 scale.
+        (q, scale): float8_e4m3fn tensor of w's shape; float32 scale of shape [] / [N, 1] /
+        [ceil(N/128), ceil(K/128)].
     Raises:
         NonFiniteError: ``w`` holds NaN or Inf.
     """
-    scale = scale_from_amax(fp8_amax(w, kernel))
+    scale = scale_from_amax(fp8_amax(w, granularity, kernel))
     return fp8_quantize(w, scale, kernel), scale
 
 
+def fp8_quantize_per_tensor(w: torch.Tensor, kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_quantize_weight(w, "tensor", kernel)``."""
+    return fp8_quantize_weight(w, "tensor", kernel)
+
+
 __all__ = [
-    "FP8_DTYPE", "FP8_E4M3_MAX", "KERNELS", "NonFiniteError", "dequantize", "fp8_amax",
-    "fp8_quantize", "fp8_quantize_per_tensor", "resolve_kernel", "scale_from_amax",
+    "BLOCK_SIZE", "FP8_DTYPE", "FP8_E4M3_MAX", "GRANULARITIES", "KERNELS", "NonFiniteError", "fp8_amax",
+    "fp8_dequantize", "fp8_quantize", "fp8_quantize_per_tensor", "fp8_quantize_weight", "resolve_kernel",
+    "scale_from_amax", "scale_layout", "scale_shape",
 ]

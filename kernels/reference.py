@@ -1,25 +1,29 @@
-"""Torch reference for FP8 (e4m3fn) per-tensor quantization.
+"""Torch reference for FP8 (e4m3fn) weight quantization at three granularities.
 
-This is the definition every other kernel is tested against, bit for bit, and the default path on
-CPU. The arithmetic is fixed so that any implementation can reproduce it exactly:
+This is the definition every other kernel is tested against, bit for bit, and the CPU default.
+The arithmetic is fixed so that any implementation can reproduce it exactly:
 
-    amax  = max(|w|) over the whole tensor, in float32 (exact: max involves no rounding)
-    scale = amax / 448 (float32), or 1.0 when amax == 0, and at least float32's smallest normal
-    q     = e4m3fn(round_to_nearest_even(clamp(float32(w) * (1 / scale), -448, 448)))
+    amax  = max(|w|) over the scale's group, in float32 (exact: max involves no rounding)
+    scale = amax / 448 (float32), or 1.0 where amax == 0, and never below float32's smallest normal
+    q     = e4m3fn(round_half_even(clamp(float32(w) * (1 / scale), -448, 448)))
 
-Multiplying by the float32 reciprocal (rather than dividing) keeps the per-element work a single
-correctly-rounded multiply, which Triton reproduces exactly; a Triton fp32 division is not IEEE
-division on every backend. The recipe (scale = amax / finfo(e4m3).max) is the one vLLM's
-``scaled_fp8_quant`` and torchao's ``Float8WeightOnlyConfig`` use for per-tensor scales.
+Groups: the whole tensor ("tensor", scale shape [] or [1]); each output row ("channel", [N, 1]);
+each 128 x 128 block ("block", [ceil(N/128), ceil(K/128)], DeepSeek-V3's weight_scale_inv layout).
+Multiplying by the float32 reciprocal keeps the per-element work one correctly rounded multiply,
+which Triton reproduces exactly (its fp32 division is not IEEE division on every backend).
+The recipe scale = amax / finfo(e4m3).max is vLLM's (scaled_fp8_quant) and torchao's.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
-# Elements handled per step of the chunked quantize: bounds the float32 temporary to 4 MiB.
+BLOCK_SIZE = (128, 128)
+GRANULARITIES = ("tensor", "channel", "block")
+# Elements handled per step of the chunked loops: bounds the float32 temporaries to 4 MiB.
 CHUNK_NUMEL = 1 << 20
 
 
@@ -27,78 +31,175 @@ class NonFiniteError(ValueError):
     """A tensor to be quantized holds NaN or +-Inf, which would poison its scale."""
 
 
-def amax(w: torch.Tensor) -> torch.Tensor:
-    """Largest absolute value of ``w``.
+def _row_chunks(n_rows: int, n_cols: int, align: int = 1):
+    """[start, stop) row ranges of about CHUNK_NUMEL elements, starts aligned to ``align`` rows."""
+    step = max(align, (CHUNK_NUMEL // max(1, n_cols)) // align * align)
+    for start in range(0, n_rows, step):
+        yield start, min(start + step, n_rows)
+
+
+def scale_shape(shape: torch.Size | tuple, granularity: str) -> tuple:
+    """Shape of the scale tensor for a weight of ``shape`` [N, K] at ``granularity``.
+
+    Raises:
+        ValueError: unknown granularity, or a per-channel/per-block weight that is not 2-D.
+    """
+    if granularity == "tensor":
+        return ()
+    if len(shape) != 2:
+        raise ValueError(f"{granularity} scales need a 2-D weight, got shape {tuple(shape)}")
+    n, k = shape
+    if granularity == "channel":
+        return (n, 1)
+    if granularity == "block":
+        return (-(-n // BLOCK_SIZE[0]), -(-k // BLOCK_SIZE[1]))
+    raise ValueError(f"unknown granularity {granularity!r}; choose one of {GRANULARITIES}")
+
+
+def scale_layout(w: torch.Tensor, scale: torch.Tensor) -> str:
+    """The granularity a scale tensor's shape implies for weight ``w``.
+
+    Raises:
+        ValueError: the shape fits none of the three layouts.
+    """
+    if scale.numel() == 1:
+        return "tensor"
+    if w.dim() == 2:
+        for g in ("channel", "block"):
+            if tuple(scale.shape) == scale_shape(w.shape, g):
+                return g
+    raise ValueError(f"scale of shape {tuple(scale.shape)} fits no layout for a weight of shape {tuple(w.shape)}")
+
+
+def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
+    """max(|w|) per group, float32, shaped like the scale (see :func:`scale_shape`).
 
     Args:
-        w: tensor of any shape, floating dtype (bf16, fp16, fp32), any device.
+        w: floating tensor (bf16, fp16, fp32); 2-D [N, K] for "channel" and "block".
     Returns:
-        0-d float32 tensor on ``w.device``; NaN or Inf when ``w`` holds any non-finite value.
-    Uses ``aminmax`` (one pass, no temporary the size of ``w``).
+        float32 tensor on w's device; NaN/Inf in a group gives a non-finite entry.
+    Uses ``aminmax`` on row chunks, so no temporary the size of ``w`` is made.
     """
+    shape = scale_shape(w.shape, granularity)
     if w.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=w.device)
-    lo, hi = torch.aminmax(w)
-    return torch.maximum(hi.float(), -lo.float())
+        return torch.zeros(shape, dtype=torch.float32, device=w.device)
+    if granularity == "tensor":
+        lo, hi = torch.aminmax(w)
+        return torch.maximum(hi.float(), -lo.float())
+    n, k = w.shape
+    out = torch.empty(shape, dtype=torch.float32, device=w.device)
+    if granularity == "channel":
+        for r0, r1 in _row_chunks(n, k):
+            lo, hi = torch.aminmax(w[r0:r1], dim=1)
+            out[r0:r1, 0] = torch.maximum(hi.float(), -lo.float())
+        return out
+    bn, bk = BLOCK_SIZE
+    kb = out.shape[1]
+    for r0, r1 in _row_chunks(n, k, align=bn):
+        chunk = w[r0:r1]
+        rows = r1 - r0
+        if k % bk or rows % bn:  # ragged edge: pad with zeros (in w's dtype; zeros never win a max of |w|)
+            chunk = F.pad(chunk, (0, kb * bk - k, 0, -rows % bn))
+        blocks = chunk.reshape(-(-rows // bn), bn, kb, bk)
+        hi, lo = torch.amax(blocks, dim=(1, 3)), torch.amin(blocks, dim=(1, 3))  # no |w| temporary
+        out[r0 // bn:(r1 + bn - 1) // bn] = torch.maximum(hi.float(), -lo.float())
+    return out
 
 
 def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
-    """Per-tensor e4m3 scale from an amax.
+    """e4m3 scale(s) from amax(es).
 
     Args:
-        amax_value: float32 tensor of any shape (one amax per scale), finite, >= 0.
+        amax_value: float32 tensor of any shape, finite, >= 0.
     Returns:
-        float32 tensor of the same shape: amax / 448; 1.0 where amax == 0 (an all-zero tensor);
+        float32 tensor of the same shape: amax / 448; 1.0 where amax == 0 (an all-zero group);
         never below ``torch.finfo(float32).tiny`` so that 1 / scale stays finite.
     Raises:
         NonFiniteError: when any amax is NaN or Inf.
     """
     amax_value = amax_value.float()
     if not bool(torch.isfinite(amax_value).all()):
-        raise NonFiniteError(f"non-finite amax {amax_value.flatten()[:4].tolist()}")
+        raise NonFiniteError(f"non-finite amax {amax_value[~torch.isfinite(amax_value)].flatten()[:4].tolist()}")
     scale = torch.clamp(amax_value / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
     return torch.where(amax_value > 0, scale, torch.ones_like(scale))
 
 
+def _expand_rows(scale: torch.Tensor, granularity: str, r0: int, r1: int, n_cols: int) -> torch.Tensor:
+    """The scale entries for rows [r0, r1), broadcastable to [r1 - r0, n_cols]."""
+    if granularity == "tensor":
+        return scale.reshape(())
+    if granularity == "channel":
+        return scale[r0:r1]
+    bn, bk = BLOCK_SIZE
+    rows = scale[r0 // bn:(r1 - 1) // bn + 1].repeat_interleave(bn, dim=0)[r0 % bn:r0 % bn + r1 - r0]
+    if granularity == "block_rows":  # expanded along rows only: [r1 - r0, ceil(K / 128)]
+        return rows
+    return rows.repeat_interleave(bk, dim=1)[:, :n_cols]
+
+
 def quantize(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize ``w`` to float8_e4m3fn with one float32 scale.
+    """Quantize ``w`` to float8_e4m3fn with per-tensor, per-channel or per-block scales.
 
     Args:
-        w: floating tensor of any shape, contiguous or not.
-        scale: 0-d or 1-element float32 tensor (from :func:`scale_from_amax`).
-        out: optional float8_e4m3fn tensor of ``w``'s shape, contiguous, written in place.
+        w: floating tensor; any shape with one scale, else 2-D [N, K].
+        scale: float32, 1 element, [N, 1], or [ceil(N/128), ceil(K/128)] (layout read off its shape).
+        out: optional contiguous float8_e4m3fn tensor of w's shape, written in place.
     Returns:
-        float8_e4m3fn tensor of ``w``'s shape (``out`` when given).
-    Work is done in chunks of ``CHUNK_NUMEL`` elements so the float32 temporary stays <= 4 MiB.
+        float8_e4m3fn tensor of w's shape (``out`` when given). ``w`` is never modified.
+    Work is done in row chunks, so the float32 temporaries stay <= 4 MiB.
     """
+    granularity = scale_layout(w, scale)
     if out is None:
         out = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
-    inv_scale = torch.reciprocal(scale.reshape(()).float())
-    src = w.reshape(-1)
-    dst = out.view(-1)
-    # A separate float32 buffer: the input is never written, even when it is float32 already.
+    inv = torch.reciprocal(scale.float())
+    src = w.reshape(1, -1) if granularity == "tensor" else w
+    dst = out.view(1, -1) if granularity == "tensor" else out
+    n, k = src.shape
+    # One float32 work buffer, reused: w is never written, even when it is float32 already.
     buf = torch.empty(min(CHUNK_NUMEL, src.numel()), dtype=torch.float32, device=w.device)
-    for start in range(0, src.numel(), CHUNK_NUMEL):
-        stop = min(start + CHUNK_NUMEL, src.numel())
-        tmp = buf[: stop - start]
-        tmp.copy_(src[start:stop])
-        tmp.mul_(inv_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-        dst[start:stop].copy_(tmp)
+    if granularity == "tensor":  # one long row: chunk along it
+        for c0 in range(0, k, CHUNK_NUMEL):
+            c1 = min(c0 + CHUNK_NUMEL, k)
+            tmp = buf[: c1 - c0].view(1, -1)
+            tmp.copy_(src[:, c0:c1])
+            tmp.mul_(inv.reshape(())).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            dst[:, c0:c1].copy_(tmp)
+        return out
+    bk = BLOCK_SIZE[1]
+    for r0, r1 in _row_chunks(n, k):
+        tmp = buf[: (r1 - r0) * k].view(r1 - r0, k)
+        tmp.copy_(src[r0:r1])
+        if granularity == "channel":
+            tmp.mul_(inv[r0:r1])
+        else:  # one 128-column slice at a time: the scale is never expanded to the chunk's size
+            inv_rows = _expand_rows(inv, "block_rows", r0, r1, k)  # [rows, ceil(K / 128)]
+            for j in range(inv_rows.shape[1]):
+                tmp[:, j * bk:(j + 1) * bk].mul_(inv_rows[:, j:j + 1])
+        tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        dst[r0:r1].copy_(tmp)
     return out
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize`: ``float32(q) * scale`` cast to ``dtype`` (same shape as q)."""
-    return (q.to(torch.float32) * scale.reshape(()).float()).to(dtype)
+    """Inverse of :func:`quantize`: (float32(q) * scale) cast to ``dtype``, shape of q."""
+    granularity = scale_layout(q, scale)
+    if granularity == "tensor":
+        return (q.to(torch.float32) * scale.float().reshape(())).to(dtype)
+    return (q.to(torch.float32) * _expand_rows(scale.float(), granularity, 0, q.shape[0], q.shape[1])).to(dtype)
+
+
+def quantize_weight(w: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """amax -> scale -> quantize.
+
+    Returns:
+        (q, scale): float8_e4m3fn tensor of w's shape, float32 scale of :func:`scale_shape`.
+    Raises:
+        NonFiniteError: ``w`` holds NaN or Inf.
+    """
+    scale = scale_from_amax(amax(w, granularity))
+    return quantize(w, scale), scale
 
 
 def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """amax -> scale -> quantize for one tensor.
-
-    Returns:
-        (q, scale): float8_e4m3fn tensor of ``w``'s shape and a 0-d float32 scale.
-    Raises:
-        NonFiniteError: when ``w`` holds NaN or Inf.
-    """
-    scale = scale_from_amax(amax(w))
-    return quantize(w, scale), scale
+    """``quantize_weight(w, "tensor")``: (q, 0-d float32 scale)."""
+    return quantize_weight(w, "tensor")

@@ -7,6 +7,14 @@ import json
 import sys
 
 from layerwise.loader import LoadReport, load_model_with_report
+from quant.config import check_quantization
+
+
+def _quantization(name: str) -> str:
+    try:
+        return check_quantization(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _mib(n: int) -> str:
@@ -98,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     load = sub.add_parser("load", help="load a checkpoint directory and print a memory/time summary")
     load.add_argument("path", help="directory with config.json and *.safetensors")
-    load.add_argument("--quantization", default="fp8", choices=["fp8", "fp8-per-tensor", "none"])
+    load.add_argument("--quantization", default="fp8", type=_quantization, metavar="SCHEME",
+                      help="fp8 | fp8-per-tensor | fp8-per-channel | fp8-per-block | torchao:<Config> | none")
     load.add_argument("--device", default="cpu")
     load.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: config.json)")
     load.add_argument("--kernel", default=None, choices=["torch", "triton"])
@@ -113,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     reload = sub.add_parser("reload", help="load A, generate, hot-reload B in place, generate, compare with B")
     reload.add_argument("path_a", nargs="?", default=None, help="default: the demo checkpoint")
     reload.add_argument("path_b", nargs="?", default=None, help="default: the demo checkpoint with seed 1")
-    reload.add_argument("--quantization", default="fp8", choices=["fp8", "fp8-per-tensor", "none"])
+    reload.add_argument("--quantization", default="fp8", type=_quantization, metavar="SCHEME")
     reload.add_argument("--device", default="cpu")
     reload.add_argument("--cache-dir", default=None)
     reload.add_argument("--tokens", type=int, default=8)

@@ -35,6 +35,15 @@ def rss_anon_bytes() -> int:
     return 0
 
 
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: ``[t]``, or for a wrapper subclass (torchao's
+    Float8Tensor, Int8Tensor, ...) its inner tensors from ``__tensor_flatten__``, recursively."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [p for name in names for p in plain_tensors(getattr(t, name))]
+
+
 def tensor_bytes(module: torch.nn.Module, device: Optional[torch.device] = None) -> int:
     """Bytes of the distinct storages behind a module's parameters and buffers (tied counted once).
 
@@ -43,13 +52,14 @@ def tensor_bytes(module: torch.nn.Module, device: Optional[torch.device] = None)
     """
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
-        if device is not None and t.device.type != torch.device(device).type:
-            continue
-        storage = t.untyped_storage()
-        key = (t.device, storage.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
+        for p in plain_tensors(t.data if isinstance(t, torch.nn.Parameter) else t):
+            if device is not None and p.device.type != torch.device(device).type:
+                continue
+            storage = p.untyped_storage()
+            key = (p.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
     return total
 
 
@@ -72,10 +82,10 @@ class _LiveStorageMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type == self.device_type}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+        inputs = {p.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type == self.device_type for p in plain_tensors(t)}
+        for t in (p for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) for p in plain_tensors(o)):
+            if t.device.type != self.device_type:
                 continue
             storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()

@@ -1,15 +1,29 @@
-"""FP8 (e4m3fn) per-tensor online quantization of Linear weights.
+"""FP8 (e4m3fn) online quantization of Linear weights at three scale granularities.
 
-After loading, a layer holds ``weight`` (float8_e4m3fn, [out, in]) and ``weight_scale`` (float32,
-shape [1]) with one scale over the whole fused parameter (qkv_proj, gate_up_proj), computed as
-amax / 448 (kernels.reference). The forward runs either
+After loading, a layer holds ``weight`` (float8_e4m3fn, [out, in]) and its float32 scale(s):
 
-* W8A8: the activation is quantized per tensor on the fly (dynamic scale = amax(x) / 448) and
-  multiplied with ``torch._scaled_mm`` (CUDA on sm89+, and CPU in torch >= 2.13); or
-* W8A16: the weight is dequantized to the activation dtype and multiplied with ``F.linear``.
+=================  ==================  ==========================================================
+scheme             scale parameter     shape
+=================  ==================  ==========================================================
+fp8-per-tensor     ``weight_scale``    [1]: one scale over the whole fused parameter
+fp8-per-channel    ``weight_scale``    [out, 1]: one scale per output row
+fp8-per-block      ``weight_scale_inv`` [ceil(out/128), ceil(in/128)] (DeepSeek-V3 / vLLM naming;
+                                       despite the name it is the dequantization multiplier)
+=================  ==================  ==========================================================
 
-This mirrors vLLM's online ``Fp8LinearMethod`` (checkpoint in BF16, quantized in
-``process_weights_after_loading``) and its dynamic per-tensor activation scheme.
+Fused layers (qkv_proj, gate_up_proj) and per-tensor scales: the scale is computed once over the
+fused BF16 weight after all its shards are loaded (amax over q, k and v together). No shard is ever
+quantized with its own scale and re-quantized to a shared one, so the vLLM failure mode of a
+per-shard scale applied to the whole fused tensor cannot occur. e4m3 is floating point, so a shard
+smaller than its siblings keeps its 3 mantissa bits as long as its values stay above
+amax * 2^-6 / 448 (about amax / 28672); only a shard ~10^4x smaller falls into the subnormal range
+and loses precision (tests/test_schemes.py measures both; per-channel scales avoid it).
+
+Forward: W8A8 (activation quantized on the fly: per tensor for per-tensor weights, per token for
+per-channel weights, then ``torch._scaled_mm``) on CUDA sm89+, or W8A16 (dequantize, then
+``F.linear``). Per-block weights always run W8A16 here (blockwise ``_scaled_mm`` is not wired up).
+This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
+``process_weights_after_loading``).
 """
 
 from __future__ import annotations
@@ -20,11 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import FP8_DTYPE, FP8_E4M3_MAX, dequantize, fp8_quantize_per_tensor
+from kernels import FP8_DTYPE, FP8_E4M3_MAX, fp8_dequantize, fp8_quantize_weight
 from kernels.reference import amax, quantize
 from quant.base import QuantMethod
 
 FP8_MODES = ("auto", "w8a8", "w8a16")
+SCALE_NAMES = {"tensor": "weight_scale", "channel": "weight_scale", "block": "weight_scale_inv"}
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -40,33 +55,45 @@ def scaled_mm_preferred(device: torch.device) -> bool:
     return device.type == "cuda" and scaled_mm_supported(device)
 
 
+def _activation_scale(x2: torch.Tensor, granularity: str) -> torch.Tensor:
+    # Dynamic scale without host sync (no finiteness check), so the step can be captured in a
+    # CUDA graph; an all-zero activation gets the smallest scale and stays 0.
+    a = amax(x2, "channel" if granularity == "channel" else "tensor")
+    return torch.clamp(a / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny).reshape(-1, 1)[: x2.shape[0]]
+
+
 class Fp8LinearMethod(QuantMethod):
-    """Per-tensor FP8 weights; W8A8 via ``_scaled_mm`` or W8A16 via dequantize + ``F.linear``.
+    """FP8 weights with one scale per tensor, per output channel, or per 128 x 128 block.
 
     Args:
-        kernel: "torch" or "triton", the kernels used for quantizing weights at load time.
+        granularity: "tensor", "channel" or "block".
+        kernel: "torch" or "triton": the kernels that quantize at load time and dequantize (W8A16).
         mode: "auto" (W8A8 on CUDA sm89+ when both weight dims are multiples of 16, else W8A16),
-            "w8a8" (also on CPU, where it is slow), or "w8a16".
+            "w8a8" (also on CPU, where it is slow; not for "block"), or "w8a16".
     Raises:
-        ValueError: unknown mode.
+        ValueError: unknown mode or granularity, or w8a8 with per-block scales.
     """
 
-    name = "fp8-per-tensor"
-
-    def __init__(self, kernel: str = "torch", mode: str = "auto"):
+    def __init__(self, granularity: str = "tensor", kernel: str = "torch", mode: str = "auto"):
         if mode not in FP8_MODES:
             raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {FP8_MODES}")
-        self.kernel = kernel
-        self.mode = mode
+        if granularity not in SCALE_NAMES:
+            raise ValueError(f"unknown granularity {granularity!r}; choose one of {tuple(SCALE_NAMES)}")
+        if granularity == "block" and mode == "w8a8":
+            raise ValueError("w8a8 is not available for per-block scales; use w8a16 or auto")
+        self.granularity, self.kernel, self.mode = granularity, kernel, mode
+        self.scale_name = SCALE_NAMES[granularity]
+        self.name = f"fp8-per-{granularity}"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale = fp8_quantize_per_tensor(layer.weight.data, self.kernel)
+        q, scale = fp8_quantize_weight(layer.weight.data, self.granularity, self.kernel)
         del layer.weight
         layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale.reshape(1), requires_grad=False)
+        scale = scale.reshape(1) if self.granularity == "tensor" else scale
+        layer.register_parameter(self.scale_name, nn.Parameter(scale, requires_grad=False))
 
     def _use_scaled_mm(self, weight: torch.Tensor) -> bool:
-        if self.mode == "w8a16":
+        if self.mode == "w8a16" or self.granularity == "block":
             return False
         out_features, in_features = weight.shape
         aligned = weight.device.type != "cuda" or (in_features % 16 == 0 and out_features % 16 == 0)
@@ -78,15 +105,15 @@ class Fp8LinearMethod(QuantMethod):
         return True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        weight, weight_scale = layer.weight, layer.weight_scale
+        weight, scale = layer.weight, getattr(layer, self.scale_name)
         if not self._use_scaled_mm(weight):
-            return F.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
+            return F.linear(x, fp8_dequantize(weight, scale, x.dtype, self.kernel), bias)
         x2 = x.reshape(-1, x.shape[-1])
-        # Dynamic per-tensor activation scale. No host sync (no finiteness check) so the step can
-        # be captured in a CUDA graph; an all-zero activation gets the smallest scale and stays 0.
-        x_scale = torch.clamp(amax(x2) / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny).reshape(1)
+        x_scale = _activation_scale(x2, self.granularity)
+        x_scale = x_scale.reshape(1) if self.granularity == "tensor" else x_scale
         xq = quantize(x2, x_scale, torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device))
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
+        w_scale = scale if self.granularity == "tensor" else scale.t()  # [1, out] for row-wise
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -32,8 +32,12 @@ def hf_config(arch: str, num_layers: int = 2, hidden: int = 64, intermediate: in
     raise ValueError(arch)
 
 
-def write_hf_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: str = "64KB", **kw) -> Path:
-    """Build a random model of ``arch`` with transformers and save_pretrained it in BF16."""
+def write_hf_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: str = "64KB",
+                        outlier_rows: bool = False, **kw) -> Path:
+    """Build a random model of ``arch`` with transformers and save_pretrained it in BF16.
+
+    outlier_rows: scale one output row of every decoder Linear weight by 50.
+    """
     import transformers
 
     torch.manual_seed(seed)
@@ -45,6 +49,8 @@ def write_hf_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: st
                 p.normal_(1.0, 0.2)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.2)
+            elif outlier_rows and "layers." in name and name.endswith("proj.weight"):
+                p[len(name) % p.shape[0]] *= 50
     model.to(torch.bfloat16).save_pretrained(path, max_shard_size=max_shard_size)
     return Path(path)
 

@@ -1,5 +1,6 @@
 """FP8 kernel tensors equal the torch reference applied to the fused checkpoint tensors."""
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -15,10 +16,17 @@ def _checkpoint_tensor(ckpt: Checkpoint, key: str) -> torch.Tensor:
         return f.get_tensor(key).clone()
 
 
-def test_every_linear_weight_is_fp8_with_reference_bytes(hf_checkpoint):
+SCHEMES = {"fp8": ("tensor", "weight_scale", lambda n, k: (1,)),
+           "fp8-per-channel": ("channel", "weight_scale", lambda n, k: (n, 1)),
+           "fp8-per-block": ("block", "weight_scale_inv", lambda n, k: (-(-n // 128), -(-k // 128)))}
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_every_linear_weight_is_fp8_with_reference_bytes(hf_checkpoint, scheme):
     arch, path = hf_checkpoint
+    granularity, scale_name, scale_shape = SCHEMES[scheme]
     ckpt = Checkpoint(path)
-    model = layerwise.load_model(path, quantization="fp8")
+    model = layerwise.load_model(path, quantization=scheme)
     linears = 0
     for name, module in model.named_modules():
         short = name.rsplit(".", 1)[-1]
@@ -28,11 +36,12 @@ def test_every_linear_weight_is_fp8_with_reference_bytes(hf_checkpoint):
         parent = name.rsplit(".", 1)[0]
         parts = FUSED.get(short, (short,))
         fused = torch.cat([_checkpoint_tensor(ckpt, f"{parent}.{p}.weight") for p in parts])
-        q_ref, scale_ref = reference.quantize_per_tensor(fused)
-        assert module.weight.dtype == torch.float8_e4m3fn
-        assert module.weight_scale.dtype == torch.float32
+        q_ref, scale_ref = reference.quantize_weight(fused, granularity)
+        scale = getattr(module, scale_name)
+        assert module.weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        assert tuple(scale.shape) == scale_shape(*fused.shape)
         assert torch.equal(module.weight.view(torch.uint8), q_ref.view(torch.uint8)), name
-        assert module.weight_scale.item() == scale_ref.item(), name
+        assert torch.equal(scale.flatten(), scale_ref.flatten()), name
         if module.bias is not None:  # Qwen2 q/k/v bias: kept in checkpoint dtype, fused in order
             bias = torch.cat([_checkpoint_tensor(ckpt, f"{parent}.{p}.bias") for p in parts])
             assert torch.equal(module.bias, bias)

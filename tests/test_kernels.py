@@ -3,103 +3,166 @@
 import pytest
 import torch
 
-from kernels import NonFiniteError, fp8_quantize_per_tensor, scale_from_amax
-from kernels.fp8 import amax_triton, quantize_triton
-from kernels.reference import FP8_E4M3_MAX, amax, quantize
+import kernels
+from kernels import (GRANULARITIES, NonFiniteError, fp8_amax, fp8_dequantize, fp8_quantize, fp8_quantize_weight,
+                     scale_from_amax, scale_shape)
+from kernels import cpu_fused, reference
+from kernels.fp8_tiles import quantize_triton
+from kernels.fp8_per_tensor import amax_per_tensor_triton
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SHAPES = [(1, 1), (7, 13), (257, 4099), (300, 200)]  # none a multiple of the 128 x 128 block but 1x1
 
 
-def _bits(q):
-    return q.view(torch.uint8)
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8)
 
 
-def _check(w):
-    q_ref, s_ref = fp8_quantize_per_tensor(w, "torch")
-    q_tri, s_tri = fp8_quantize_per_tensor(w, "triton")
+def _check(w, granularity):
+    q_ref, s_ref = fp8_quantize_weight(w, granularity, "torch")
+    q_tri, s_tri = fp8_quantize_weight(w, granularity, "triton")
+    assert s_ref.shape == scale_shape(w.shape, granularity)
     assert torch.equal(s_ref, s_tri)
     assert torch.equal(_bits(q_ref), _bits(q_tri))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(_bits(fp8_dequantize(q_ref, s_ref, dtype, "torch")),
+                           _bits(fp8_dequantize(q_ref, s_ref, dtype, "triton")))
     return q_ref, s_ref
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (257, 4099)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_random_odd_shapes(shape, dtype, device):
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_random_odd_shapes(shape, granularity, device):
     g = torch.Generator().manual_seed(sum(shape))
-    _check((torch.randn(shape, generator=g) * 3).to(dtype).to(device))
+    w = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16 if shape[0] % 2 else torch.float32).to(device)
+    _check(w, granularity)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_all_zero_tensor(device):
-    q, s = _check(torch.zeros(7, 13, dtype=torch.bfloat16, device=device))
-    assert s.item() == 1.0 and not _bits(q).any()
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_all_zero_tensor(granularity, device):
+    q, s = _check(torch.zeros(130, 131, dtype=torch.bfloat16, device=device), granularity)
+    assert bool((s == 1).all()) and not _bits(q).any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("magnitude", [1e-38, 1e-30, 1e-6, 1e6, 1e30, 3e38])
-def test_tiny_and_huge_magnitudes(magnitude, device):
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("magnitude", [1e-40, 1e-38, 1e-30, 1e-6, 1e6, 1e30, 3e38])
+def test_subnormal_tiny_and_huge_magnitudes(magnitude, granularity, device):
     g = torch.Generator().manual_seed(0)
-    r = torch.randn(33, 65, generator=g, dtype=torch.float64)
-    w = (r / r.abs().max() * magnitude).to(torch.bfloat16).to(device)  # largest |w| == magnitude
-    q, s = _check(w)
-    assert torch.isfinite(s).all() and s.item() > 0
-    assert torch.isfinite(q.float()).all()
+    r = torch.randn(133, 65, generator=g, dtype=torch.float64)
+    w = (r / r.abs().max() * magnitude).to(torch.bfloat16).to(device)  # 1e-40: bf16 subnormals
+    q, s = _check(w, granularity)
+    assert bool(torch.isfinite(s).all()) and bool((s > 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_mixed_magnitudes_per_group(granularity, device):
+    # rows and blocks of very different scale, zero rows, and values at +-448 and far beyond
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(260, 300, generator=g)
+    w[:128] *= 1e-3
+    w[200:210] = 0
+    w[5, 7], w[6, 8], w[250, 299] = 448.0, -448.0, 1e5
+    _check(w.to(device), granularity)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_rounding_boundary_with_unit_scale(device):
-    # dense sweep across the whole e4m3 range, plus values that carry into the next binade
-    # (125.07 -> 128 in torch; Triton's interpreter cast gives 64), signed zeros, subnormals, saturation
+    # dense sweep across and past the e4m3 range, plus values that carry into the next binade
+    # (125.07 -> 128 in torch; a plain interpreter cast gives 64), signed zeros, subnormals, saturation
     x = torch.linspace(-460, 460, 300_001)
     special = torch.tensor([125.07, 239.9, -0.0, 0.0, 1e-40, -1e-40, 2.0 ** -10, 3 * 2.0 ** -11,
-                            -(2.0 ** -10), 448.0, -448.0, 464.0, 1e30, -1e30])
+                            -(2.0 ** -10), 448.0, -448.0, 449.0, 464.0, 1e30, -1e30])
     x = torch.cat([x, special]).to(device)
     one = torch.ones((), device=device)
-    assert torch.equal(_bits(quantize(x, one)), _bits(quantize_triton(x, one)))
+    assert torch.equal(_bits(reference.quantize(x, one)), _bits(quantize_triton(x, one)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_amax_matches_and_non_finite_is_rejected(device):
-    w = torch.randn(100, 37).to(device)
-    assert torch.equal(amax(w), amax_triton(w))
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_non_finite_is_rejected(granularity, device):
+    w = torch.randn(100, 137).to(device)
     for bad in (float("nan"), float("inf"), -float("inf")):
         x = w.clone()
         x[50, 3] = bad
-        assert not torch.isfinite(amax(x))
-        assert not torch.isfinite(amax_triton(x))
-        with pytest.raises(NonFiniteError):
-            scale_from_amax(amax(x))
+        for kernel in ("torch", "triton"):
+            assert not bool(torch.isfinite(fp8_amax(x, granularity, kernel)).all())
+            with pytest.raises(NonFiniteError):
+                fp8_quantize_weight(x, granularity, kernel)
 
 
 def test_reference_definition():
     w = torch.tensor([[-2.0, 0.5], [1.0, 0.25]], dtype=torch.bfloat16)
-    q, s = fp8_quantize_per_tensor(w)
-    assert s.item() == pytest.approx(2.0 / FP8_E4M3_MAX)
+    q, s = fp8_quantize_weight(w)
+    assert s.item() == pytest.approx(2.0 / 448)
     assert q.float().tolist() == [[-448.0, 112.0], [224.0, 56.0]]
+    q, s = fp8_quantize_weight(w, "channel")
+    assert s.flatten().tolist() == pytest.approx([2.0 / 448, 1.0 / 448])
+    assert q.float().tolist() == [[-448.0, 112.0], [448.0, 112.0]]
 
 
-def test_wrapper_checks_inputs():
+def test_wrappers_check_inputs():
     with pytest.raises(ValueError, match="contiguous"):
         quantize_triton(torch.randn(8, 8).t(), torch.ones(()))
     with pytest.raises(TypeError, match="bf16/fp16/fp32"):
-        amax_triton(torch.ones(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="one scale"):
-        quantize_triton(torch.randn(4), torch.ones(2))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
-def test_compiled_triton_equals_interpreted_triton():
-    w = torch.randn(257, 4099, dtype=torch.bfloat16)
-    q_cpu, s_cpu = fp8_quantize_per_tensor(w, "triton")
-    q_gpu, s_gpu = fp8_quantize_per_tensor(w.cuda(), "triton")
-    assert torch.equal(s_cpu, s_gpu.cpu()) and torch.equal(_bits(q_cpu), _bits(q_gpu).cpu())
+        amax_per_tensor_triton(torch.ones(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="fits no layout"):
+        quantize_triton(torch.randn(4, 4), torch.ones(2))
+    with pytest.raises(ValueError, match="2-D"):
+        fp8_amax(torch.randn(4, 4, 4), "channel", "triton")
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_input_is_not_modified(kernel, dtype):
-    w = torch.randn(64, 33).to(dtype)
-    before = w.clone()
-    fp8_quantize_per_tensor(w, kernel)
-    assert torch.equal(w, before)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_input_is_not_modified(kernel, granularity):
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(64, 33).to(dtype)
+        before = w.clone()
+        fp8_quantize_weight(w, granularity, kernel)
+        assert torch.equal(w, before)
+
+
+def test_custom_ops_trace_under_torch_compile():
+    from kernels import ops
+
+    w = torch.randn(40, 50)
+
+    def f(x):
+        scale = torch.clamp(ops.fp8_amax_triton(x, "channel") / 448, min=1e-12)
+        return ops.fp8_dequantize_triton(ops.fp8_quantize_triton(x, scale), scale, torch.float32)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)  # fails on a graph break
+    assert torch.equal(compiled(w), f(w))
+    cases = [(torch.ops.layerwise.fp8_amax_triton, (w, "block")),
+             (torch.ops.layerwise.fp8_quantize_triton, (w, torch.ones(40, 1))),
+             (torch.ops.layerwise.fp8_dequantize_triton, (w.to(torch.float8_e4m3fn), torch.ones(1), torch.bfloat16))]
+    for op, args in cases:  # the fake implementations agree with the real ones on shape and dtype
+        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+
+
+def test_fused_cpu_quantize_is_bit_exact(monkeypatch):
+    monkeypatch.setattr(cpu_fused, "FUSED_MIN_NUMEL", 1)
+    g = torch.Generator().manual_seed(3)
+    for w in [torch.randn(257, 4099, generator=g).bfloat16(), torch.randn(33, 7, generator=g) * 1e-39,
+              torch.cat([torch.linspace(-460, 460, 30001), torch.tensor([125.07, -0.0, 1e-40, -1e-40, 1e30])])]:
+        assert cpu_fused.use_fused(w, "tensor")
+        scale = scale_from_amax(reference.amax(w))
+        assert torch.equal(_bits(fp8_quantize(w, scale, "torch")), _bits(reference.quantize(w, scale)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_compiled_triton_equals_cpu_reference(granularity):
+    w = torch.randn(257, 4099, dtype=torch.bfloat16)
+    q_cpu, s_cpu = fp8_quantize_weight(w, granularity, "torch")
+    q_gpu, s_gpu = fp8_quantize_weight(w.cuda(), granularity, "triton")
+    assert torch.equal(s_cpu, s_gpu.cpu()) and torch.equal(_bits(q_cpu), _bits(q_gpu).cpu())
+
+
+def test_resolve_kernel():
+    assert kernels.resolve_kernel(None, "cpu") == "torch"
+    with pytest.raises(ValueError):
+        kernels.resolve_kernel("cutlass", "cpu")

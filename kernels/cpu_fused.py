@@ -1,0 +1,47 @@
+"""A fused CPU quantize (torch.compile / Inductor), bit-exact with the reference, for large tensors.
+
+The eager reference needs four passes per chunk (bf16 -> fp32 copy, multiply, clamp, fp8 cast)
+and reaches about 0.5x of ``clone`` bandwidth on an 8192 x 8192 BF16 tensor here; Inductor fuses
+them into one vectorized loop that reads bf16 and writes fp8 once (~1.1x of clone measured here).
+It is wrapped in a ``torch.library.custom_op`` so it stays one opaque op: inside a
+TorchDispatchMode (the CPU memory tracker) torch.compile would otherwise fall back to unfused,
+unchunked eager code. Compilation costs ~30 s on a cold Inductor cache and ~4 s warm, so it is only
+used for tensors of at least ``FUSED_MIN_NUMEL`` elements; ``LAYERWISE_COMPILE=0`` disables it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kernels.reference import FP8_DTYPE, FP8_E4M3_MAX
+
+FUSED_MIN_NUMEL = 1 << 22
+
+
+def _quantize_scalar(w: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    return (w.to(torch.float32) * inv_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    return torch.compile(_quantize_scalar, dynamic=True)
+
+
+@torch.library.custom_op("layerwise::fp8_quantize_per_tensor_cpu_fused", mutates_args=())
+def quantize_per_tensor_fused(w: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3fn(clamp(float32(w) * inv_scale)) for a CPU tensor of any shape and a 0-d inv_scale."""
+    return _compiled()(w, inv_scale.reshape(()))
+
+
+@quantize_per_tensor_fused.register_fake
+def _(w, inv_scale):
+    return torch.empty_like(w, dtype=FP8_DTYPE)
+
+
+def use_fused(w: torch.Tensor, granularity: str) -> bool:
+    """Whether the torch kernel path takes the fused compiled quantize for ``w``."""
+    return (granularity == "tensor" and w.device.type == "cpu" and w.numel() >= FUSED_MIN_NUMEL
+            and os.environ.get("LAYERWISE_COMPILE", "1") != "0")

@@ -1,0 +1,47 @@
+"""The Triton FP8 kernels as torch.library custom ops, with fake (meta) implementations, so
+torch.compile can trace through them and dispatch modes see one op each."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8_per_block import amax_per_block_triton
+from kernels.fp8_per_channel import amax_per_channel_triton
+from kernels.fp8_per_tensor import amax_per_tensor_triton
+from kernels.fp8_tiles import dequantize_triton, quantize_triton
+from kernels.reference import FP8_DTYPE, scale_shape
+
+_AMAX = {"tensor": amax_per_tensor_triton, "channel": amax_per_channel_triton, "block": amax_per_block_triton}
+
+
+@torch.library.custom_op("layerwise::fp8_amax_triton", mutates_args=())
+def fp8_amax_triton(w: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Triton amax at ``granularity`` ("tensor", "channel", "block"); float32, scale-shaped."""
+    return _AMAX[granularity](w.contiguous())
+
+
+@fp8_amax_triton.register_fake
+def _(w, granularity):
+    return w.new_empty(scale_shape(w.shape, granularity), dtype=torch.float32)
+
+
+@torch.library.custom_op("layerwise::fp8_quantize_triton", mutates_args=())
+def fp8_quantize_triton(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Triton quantize; the granularity is read off the scale's shape."""
+    return quantize_triton(w.contiguous(), scale)
+
+
+@fp8_quantize_triton.register_fake
+def _(w, scale):
+    return torch.empty_like(w, dtype=FP8_DTYPE)
+
+
+@torch.library.custom_op("layerwise::fp8_dequantize_triton", mutates_args=())
+def fp8_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Triton dequantize to ``dtype``."""
+    return dequantize_triton(q.contiguous(), scale, dtype)
+
+
+@fp8_dequantize_triton.register_fake
+def _(q, scale, dtype):
+    return torch.empty_like(q, dtype=dtype)
