@@ -14,28 +14,14 @@ import argparse
 import json
 import os
 import platform
-import time
 
 import torch
 
+from benchmarks.timing import best_of
 from kernels import GRANULARITIES, fp8_quantize_weight, resolve_kernel
 
 # HBM bandwidth in GB/s by device name fragment (vendor data sheets)
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "RTX 4090": 1008.0}
-
-
-def _time(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up (Triton compilation, Inductor compilation, allocator)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | None = None) -> dict:
@@ -47,9 +33,9 @@ def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | 
     for n, k in shapes:
         w = torch.randn(n, k, device=device).to(torch.bfloat16)
         nbytes = w.numel() * w.element_size()
-        clone_s = _time(lambda: w.clone(), device, repeats)
+        clone_s = best_of(lambda: w.clone(), device, repeats)
         for granularity in GRANULARITIES:
-            seconds = _time(lambda: fp8_quantize_weight(w, granularity, kernel), device, repeats)
+            seconds = best_of(lambda: fp8_quantize_weight(w, granularity, kernel), device, repeats)
             row = {"shape": [n, k], "scheme": f"fp8-per-{granularity}", "kernel": kernel,
                    "seconds": seconds, "gbps": nbytes / seconds / 1e9,
                    "clone_seconds": clone_s, "clone_gbps": nbytes / clone_s / 1e9,

@@ -18,7 +18,7 @@ import torch
 
 from kernels.reference import FP8_DTYPE, FP8_E4M3_MAX
 
-FUSED_MIN_NUMEL = 1 << 22
+FUSED_MIN_NUMEL = 1 << 20  # 1M elements: measured faster than 4M on a 24-layer load here
 
 
 def _quantize_scalar(w: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:

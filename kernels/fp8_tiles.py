@@ -7,11 +7,23 @@ same two kernels and the same e4m3 rounding.
 
 import torch
 
-from kernels.triton_common import (as_kernel_input, build, check_input, load_f32, round_to_e4m3, tile, tl,
-                                   triton)
+from kernels.triton_common import (as_kernel_input, build, check_input, helper, load_f32, round_to_e4m3, tile,
+                                   tl, triton)
 from kernels.reference import BLOCK_SIZE, FP8_DTYPE, scale_layout
 
 _MODES = {"tensor": 0, "channel": 1, "block": 2}
+
+
+@helper
+def load_scale(ptr, rows, cols, mask, n_rows, scale_cols, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """The scale of each element of a [TILE_N, TILE_K] tile: one for the tensor (SCALE_MODE 0),
+    one per row (1), or one per BLOCK_N x BLOCK_K block of a [*, scale_cols] scale grid (2)."""
+    if SCALE_MODE == 0:
+        return tl.load(ptr)
+    if SCALE_MODE == 1:
+        return tl.load(ptr + rows, mask=rows < n_rows, other=1.0)
+    return tl.load(ptr + (rows // BLOCK_N) * scale_cols + cols // BLOCK_K, mask=mask, other=1.0)
 
 
 def _quantize_kernel(x_ptr, out_ptr, inv_ptr, n_rows, n_cols, scale_cols, IS_BF16: tl.constexpr,
@@ -21,12 +33,7 @@ def _quantize_kernel(x_ptr, out_ptr, inv_ptr, n_rows, n_cols, scale_cols, IS_BF1
     cols = (tl.program_id(1) * TILE_K + tl.arange(0, TILE_K))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
     x = load_f32(x_ptr + rows * n_cols + cols, mask, IS_BF16)
-    if SCALE_MODE == 0:
-        inv = tl.load(inv_ptr)
-    elif SCALE_MODE == 1:
-        inv = tl.load(inv_ptr + rows, mask=rows < n_rows, other=1.0)
-    else:
-        inv = tl.load(inv_ptr + (rows // BLOCK_N) * scale_cols + cols // BLOCK_K, mask=mask, other=1.0)
+    inv = load_scale(inv_ptr, rows, cols, mask, n_rows, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
     y = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
     tl.store(out_ptr + rows * n_cols + cols, round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
 
@@ -38,13 +45,7 @@ def _dequantize_kernel(q_ptr, out_ptr, scale_ptr, n_rows, n_cols, scale_cols, OU
     cols = (tl.program_id(1) * TILE_K + tl.arange(0, TILE_K))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
     q = tl.load(q_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    if SCALE_MODE == 0:
-        s = tl.load(scale_ptr)
-    elif SCALE_MODE == 1:
-        s = tl.load(scale_ptr + rows, mask=rows < n_rows, other=1.0)
-    else:
-        s = tl.load(scale_ptr + (rows // BLOCK_N) * scale_cols + cols // BLOCK_K, mask=mask, other=1.0)
-    y = q * s
+    y = q * load_scale(scale_ptr, rows, cols, mask, n_rows, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
     if OUT_BF16:  # out_ptr holds int16 bits: round half to even by hand (the interpreter truncates)
         bits = y.to(tl.int32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)

@@ -127,10 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--cache-dir", default=None)
     reload.add_argument("--tokens", type=int, default=8)
     reload.set_defaults(func=_reload)
+    sub.add_parser("bench", help="peak-memory and load-time benchmark (see benchmarks/peak_memory.py)",
+                   add_help=False)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark owns its arguments
+        from benchmarks.peak_memory import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

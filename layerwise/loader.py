@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -102,8 +103,14 @@ def stream_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
 
 def load_model_with_report(path: str | os.PathLike, quantization: Optional[str] = "fp8", device="cpu",
                            dtype=None, kernel: Optional[str] = None, fp8_mode: str = "auto",
-                           progress: bool = False) -> tuple[nn.Module, LoadReport]:
-    """Like :func:`load_model`, and also returns the :class:`LoadReport`."""
+                           progress: bool = False, track_memory: bool = True) -> tuple[nn.Module, LoadReport]:
+    """Like :func:`load_model`, and also returns the :class:`LoadReport`.
+
+    Args:
+        progress: show a per-layer tqdm progress bar on stderr.
+        track_memory: measure the peak with :class:`DeviceMemoryTracker` (on CPU its dispatch mode
+            adds Python work to every tensor operation; with False, peak_bytes is reported as -1).
+    """
     start = time.perf_counter()
     ckpt = Checkpoint(path)
     config = ModelConfig.from_dict(ckpt.config)
@@ -127,7 +134,8 @@ def load_model_with_report(path: str | os.PathLike, quantization: Optional[str] 
             bar.set_postfix_str(g)
         last_group[0] = g
 
-    with DeviceMemoryTracker(device) as tracker:
+    tracker = DeviceMemoryTracker(device) if track_memory else contextlib.nullcontext()
+    with tracker:
         with torch.device("meta"):
             model = model_cls(config, quant_config, params_dtype, device)
         record_metadata_for_reloading(model)
@@ -148,10 +156,11 @@ def load_model_with_report(path: str | os.PathLike, quantization: Optional[str] 
         architecture=arch, num_layers=config.num_hidden_layers, device=str(device),
         quantization=quant_config.scheme, kernel=quant_config.kernel, dtype=str(params_dtype).replace("torch.", ""),
         checkpoint_bytes=ckpt.total_bytes, model_bytes=tensor_bytes(model, device),
-        largest_layer_checkpoint_bytes=max(groups.values()), peak_bytes=tracker.peak_bytes,
-        seconds=time.perf_counter() - start, memory_tracker=tracker.method,
-        peak_rss_anon_bytes=tracker.peak_rss_anon_bytes, peak_buffered_bytes=session.peak_buffered_bytes,
-        timeline=tracker.timeline)
+        largest_layer_checkpoint_bytes=max(groups.values()),
+        peak_bytes=tracker.peak_bytes if track_memory else -1,
+        seconds=time.perf_counter() - start, memory_tracker=tracker.method if track_memory else "none",
+        peak_rss_anon_bytes=tracker.peak_rss_anon_bytes if track_memory else 0,
+        peak_buffered_bytes=session.peak_buffered_bytes, timeline=tracker.timeline if track_memory else [])
     return model, report
 
 
@@ -182,4 +191,4 @@ def load_model(path: str | os.PathLike, quantization: Optional[str] = "fp8", dev
         UnexpectedWeightError / WeightShapeError / NonFiniteWeightError / MissingWeightError /
         DuplicateWeightError: a bad tensor; the error names the tensor key and file.
     """
-    return load_model_with_report(path, quantization, device, dtype, kernel, fp8_mode)[0]
+    return load_model_with_report(path, quantization, device, dtype, kernel, fp8_mode, track_memory=False)[0]

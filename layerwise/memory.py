@@ -114,6 +114,7 @@ class DeviceMemoryTracker:
         timeline: [(seconds since enter, live bytes)] at each allocation (CPU) or at exit (CUDA).
         peak_rss_anon_bytes: largest sampled anonymous RSS of the process (OS figure, CPU only).
         method: "cuda-allocator" or "cpu-live-storages".
+        marks: [(name, bytes)] figures recorded by the caller with :meth:`mark`.
     Raises:
         ValueError: a device type other than cpu or cuda.
     """
@@ -128,6 +129,8 @@ class DeviceMemoryTracker:
         self.final_bytes = 0
         self.peak_rss_anon_bytes = 0
         self._cuda_timeline: list[tuple[float, int]] = []
+        self.marks: list[tuple[str, int]] = []
+        self.timeline_marks: list[tuple[float, int]] = []
 
     def _clock(self) -> float:
         return time.perf_counter() - self._t0
@@ -161,6 +164,34 @@ class DeviceMemoryTracker:
             self._cuda_timeline.append((self._clock(), torch.cuda.memory_allocated(self.device) - self._base))
 
     @property
+    def current_bytes(self) -> int:
+        """Live bytes now (CPU: after dropping storages freed since the last allocation)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) - self._base
+        self._mode._sweep()
+        return self._mode.current
+
+    def mark(self, name: str, nbytes: int) -> None:
+        """Record a named figure at this moment (e.g. device-equivalent bytes computed by the caller)."""
+        self.marks.append((name, nbytes))
+        self.timeline_marks.append((self._clock(), nbytes))
+
+    def untracked_bytes(self, tensors) -> int:
+        """Bytes of the distinct storages behind ``tensors`` that the tracker never saw allocated
+        (CPU: e.g. memory-mapped checkpoint views kept as parameters; always 0 on CUDA)."""
+        if self.device.type == "cuda":
+            return 0
+        seen, total = set(), 0
+        for t in tensors:
+            for p in plain_tensors(t.data if isinstance(t, torch.nn.Parameter) else t):
+                storage = p.untyped_storage()
+                ptr = storage.data_ptr()
+                if p.device.type == "cpu" and ptr not in self._mode.live and ptr not in seen:
+                    seen.add(ptr)
+                    total += storage.nbytes()
+        return total
+
+    @property
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self._base
@@ -168,4 +199,6 @@ class DeviceMemoryTracker:
 
     @property
     def timeline(self) -> list[tuple[float, int]]:
-        return self._cuda_timeline if self.device.type == "cuda" else list(self._mode.timeline)
+        """[(seconds, bytes)], the tracker's samples and any :meth:`mark` figures, in time order."""
+        base = self._cuda_timeline if self.device.type == "cuda" else list(self._mode.timeline)
+        return sorted(base + self.timeline_marks)
