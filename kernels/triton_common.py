@@ -47,6 +47,7 @@ class _Helper(JITFunction):
 
 
 def helper(fn):
+    """Decorator for device functions called from the kernels (see :class:`_Helper`)."""
     return _Helper(fn) if HAS_TRITON else fn
 
 

@@ -131,6 +131,7 @@ class Checkpoint:
         return infos
 
     def file_of_shard(self, shard: str) -> str:
+        """Full path of a shard file named in the index."""
         return os.path.join(self.path, shard)
 
     def file_of(self, key: str) -> Optional[str]:
