@@ -44,7 +44,6 @@ def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | 
                 row["fraction_of_peak_bandwidth"] = (2.5 * nbytes / seconds / 1e9) / peak
                 row["clone_fraction_of_peak_bandwidth"] = (2 * nbytes / clone_s / 1e9) / peak
             rows.append(row)
-        del w
     return {"benchmark": "quant_kernels", "device": str(device),
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats, "results": rows}

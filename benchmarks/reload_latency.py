@@ -36,7 +36,6 @@ def run(size: str, device: str, repeats: int, cache: Path) -> dict:
         disk = best_of(lambda: layerwise.reload_weights(model, path), device, repeats, warmup=False)
         rows.append({"case": f"{name}: in-memory stream", "seconds": memory, "over_floor": memory / floor})
         rows.append({"case": f"{name}: from disk (page cache warm)", "seconds": disk, "over_floor": disk / floor})
-        del model
     return {"benchmark": "reload_latency", "size": size, "device": str(device), "checkpoint": str(path),
             "stream_bytes": stream_bytes, "repeats": repeats, "machine": _machine(str(device)), "results": rows}
 

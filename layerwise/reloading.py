@@ -13,7 +13,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Union
+from typing import Iterable, Union
 
 import torch
 from torch import nn

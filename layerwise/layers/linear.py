@@ -11,7 +11,7 @@ With tp_size == 1 (the only size wired up so far) the narrowing is the identity.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
