@@ -35,7 +35,3 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
 
-
-def lm_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [B, T, H] -> logits [B, T, vocab] through an LM head or a tied embedding."""
-    return F.linear(hidden, head.weight)

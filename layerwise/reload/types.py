@@ -64,11 +64,6 @@ class LayerReloadingInfo:
         self.staged = {}
         self.done = False
 
-    @property
-    def keys(self) -> list[str]:
-        """Checkpoint keys buffered for this layer so far, in arrival order, without repeats."""
-        return list(dict.fromkeys(b.key for b in self.loaded_weights if b.key))
-
 
 @dataclass
 class ReloadSession:
