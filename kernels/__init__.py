@@ -75,13 +75,9 @@ def fp8_quantize_weight(w: torch.Tensor, granularity: str = "tensor",
     return fp8_quantize(w, scale, kernel), scale
 
 
-def fp8_quantize_per_tensor(w: torch.Tensor, kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_quantize_weight(w, "tensor", kernel)``."""
-    return fp8_quantize_weight(w, "tensor", kernel)
-
 
 __all__ = [
     "BLOCK_SIZE", "FP8_DTYPE", "FP8_E4M3_MAX", "GRANULARITIES", "KERNELS", "NonFiniteError", "fp8_amax",
-    "fp8_dequantize", "fp8_quantize", "fp8_quantize_per_tensor", "fp8_quantize_weight", "resolve_kernel",
+    "fp8_dequantize", "fp8_quantize", "fp8_quantize_weight", "resolve_kernel",
     "scale_from_amax", "scale_layout", "scale_shape",
 ]

@@ -199,7 +199,3 @@ def quantize_weight(w: torch.Tensor, granularity: str = "tensor") -> tuple[torch
     scale = scale_from_amax(amax(w, granularity))
     return quantize(w, scale), scale
 
-
-def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_weight(w, "tensor")``: (q, 0-d float32 scale)."""
-    return quantize_weight(w, "tensor")

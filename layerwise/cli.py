@@ -42,8 +42,7 @@ def format_report(report: LoadReport) -> str:
 
 
 def _load(args) -> int:
-    quant = None if args.quantization == "none" else args.quantization
-    _, report = load_model_with_report(args.path, quant, args.device, args.dtype, args.kernel,
+    _, report = load_model_with_report(args.path, args.quantization, args.device, args.dtype, args.kernel,
                                        args.fp8_mode, progress=True)
     print(format_report(report))
     if args.report:
@@ -75,16 +74,15 @@ def _reload(args) -> int:
         return 2
     path_a = args.path_a or demo_checkpoint(args.cache_dir, seed=0)
     path_b = args.path_b or demo_checkpoint(args.cache_dir, seed=1)
-    quant = None if args.quantization == "none" else args.quantization
     prompts = [[1, 17, 42, 7], [5, 3]]
-    engine = Engine.from_pretrained(path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=quant,
+    engine = Engine.from_pretrained(path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization,
                                     device=args.device)
     tokens_a = engine.generate(prompts, args.tokens)
     tensors = list(engine.model.named_parameters()) + list(engine.model.named_buffers())
     addresses = {name: (t, t.data_ptr()) for name, t in tensors}
     report = engine.reload_weights(path_b)
     tokens_after = engine.generate(prompts, args.tokens)
-    fresh = Engine.from_pretrained(path_b, max_batch_size=len(prompts), max_seq_len=64, quantization=quant,
+    fresh = Engine.from_pretrained(path_b, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization,
                                    device=args.device)
     tokens_b = fresh.generate(prompts, args.tokens)
     now = dict(list(engine.model.named_parameters()) + list(engine.model.named_buffers()))

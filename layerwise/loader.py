@@ -90,7 +90,7 @@ def stream_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     """
     for key, tensor in weights:
         file = file_of(key) if file_of else None
-        session.current_key, session.current_file = key, file
+        session.current_key = key
         try:
             model.load_weights([(key, tensor)])
         except LayerwiseError as e:

@@ -18,6 +18,7 @@ from typing import Iterable, Union
 import torch
 from torch import nn
 
+from kernels.reference import amax
 from layerwise.checkpoint import Checkpoint
 from layerwise.config import ModelConfig
 from layerwise.errors import LayerwiseError, NonFiniteWeightError, ReloadError, UnexpectedWeightError, WeightShapeError
@@ -114,6 +115,14 @@ def _reload_error(e: LayerwiseError, updated: list) -> ReloadError:
     return err
 
 
+def _has_non_finite(t: torch.Tensor) -> bool:
+    """NaN/Inf anywhere in ``t``: float8_e4m3fn has only NaN (bits S.1111.111); wider floats go
+    through the one-pass, temporary-free ``amax``."""
+    if t.dtype == torch.float8_e4m3fn:
+        return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return t.is_floating_point() and not bool(torch.isfinite(amax(t)))
+
+
 def _reload_kernel_format(model: nn.Module, stream, atomic: bool) -> list:
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -126,10 +135,8 @@ def _reload_kernel_format(model: nn.Module, stream, atomic: bool) -> list:
             if tensor.shape != target.shape or tensor.dtype != target.dtype:
                 raise WeightShapeError(f"kernel tensor is {target.dtype}{tuple(target.shape)}, got "
                                        f"{tensor.dtype}{tuple(tensor.shape)}", key=name)
-            if tensor.is_floating_point() and tensor.dtype.itemsize > 1 and not bool(torch.isfinite(tensor).all()):
+            if _has_non_finite(tensor):
                 raise NonFiniteWeightError("non-finite value", key=name)
-            if tensor.dtype == torch.float8_e4m3fn and bool(torch.isnan(tensor.float()).any()):
-                raise NonFiniteWeightError("NaN in an FP8 tensor", key=name)
             if atomic:
                 staged.append((target, tensor.to(target.device, copy=True), name))
             else:

@@ -56,10 +56,14 @@ def scaled_mm_preferred(device: torch.device) -> bool:
 
 
 def _activation_scale(x2: torch.Tensor, granularity: str) -> torch.Tensor:
-    # Dynamic scale without host sync (no finiteness check), so the step can be captured in a
-    # CUDA graph; an all-zero activation gets the smallest scale and stays 0.
-    a = amax(x2, "channel" if granularity == "channel" else "tensor")
-    return torch.clamp(a / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny).reshape(-1, 1)[: x2.shape[0]]
+    """Dynamic scale of activations x2 [M, K]: [1] per tensor, [M, 1] per token ("channel").
+
+    No host sync (no finiteness check), so the step can be captured in a CUDA graph; an all-zero
+    activation gets the smallest scale and stays 0."""
+    per_token = granularity == "channel"
+    a = amax(x2, "channel" if per_token else "tensor")
+    scale = torch.clamp(a / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    return scale if per_token else scale.reshape(1)
 
 
 class Fp8LinearMethod(QuantMethod):
@@ -83,6 +87,7 @@ class Fp8LinearMethod(QuantMethod):
             raise ValueError("w8a8 is not available for per-block scales; use w8a16 or auto")
         self.granularity, self.kernel, self.mode = granularity, kernel, mode
         self.scale_name = SCALE_NAMES[granularity]
+        self._scaled_mm: Optional[bool] = None  # decided at the first forward (one method per layer)
         self.name = f"fp8-per-{granularity}"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -106,11 +111,12 @@ class Fp8LinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         weight, scale = layer.weight, getattr(layer, self.scale_name)
-        if not self._use_scaled_mm(weight):
+        if self._scaled_mm is None:  # weight device and shape never change after loading
+            self._scaled_mm = self._use_scaled_mm(weight)
+        if not self._scaled_mm:
             return F.linear(x, fp8_dequantize(weight, scale, x.dtype, self.kernel), bias)
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = _activation_scale(x2, self.granularity)
-        x_scale = x_scale.reshape(1) if self.granularity == "tensor" else x_scale
         xq = quantize(x2, x_scale, torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device))
         w_scale = scale if self.granularity == "tensor" else scale.t()  # [1, out] for row-wise
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)

@@ -82,8 +82,8 @@ def record_metadata_for_reloading(model: nn.Module) -> None:
         _INFOS[module] = info
 
 
-def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device] = None, atomic: bool = False,
-                                on_layer_done: Optional[Callable[[str], None]] = None) -> ReloadSession:
+def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device] = None,
+                                atomic: bool = False) -> ReloadSession:
     """Put every layer in checkpoint format on meta and wrap its loaders with online_process_loader.
 
     Args:
@@ -92,7 +92,6 @@ def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device]
         atomic: stage processed layers and write them into the kernel tensors only at finalize
             (costs, on the device, the processed size of every layer in the stream: up to the whole
             model's kernel-tensor bytes for a full reload).
-        on_layer_done: called with a layer's prefix after it is processed.
     Returns:
         the session (also reachable with :func:`get_session`).
     Raises:
@@ -114,8 +113,7 @@ def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device]
         raise RuntimeError("no layer metadata recorded: call record_metadata_for_reloading(model) first")
     if device is None:
         raise RuntimeError("device is required when loading a model that is still on the meta device")
-    session = ReloadSession(device=torch.device(device), layers=layers, first_load=first_load,
-                            atomic=atomic, on_layer_done=on_layer_done)
+    session = ReloadSession(device=torch.device(device), layers=layers, first_load=first_load, atomic=atomic)
     for layer in layers.values():
         info = _INFOS[layer]
         info.reset()
@@ -138,8 +136,8 @@ def online_process_loader(layer: nn.Module, info: LayerReloadingInfo, param_name
     meta_param = info.restore_metadata[param_name]
 
     def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        session = info.session
-        key = session.current_key if session else None
+        session = info.session  # always set: loaders are wrapped only inside a session
+        key = session.current_key
         if info.done:
             raise DuplicateWeightError(f"layer {info.prefix} was already loaded in this session; "
                                        f"{info.prefix}.{param_name} is written again", key=key)
@@ -151,9 +149,8 @@ def online_process_loader(layer: nn.Module, info: LayerReloadingInfo, param_name
         info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key))
         info.writes[param_name].extend(writes)
         info.load_numel += numel
-        if session is not None:
-            session.buffered_bytes += loaded_weight.numel() * loaded_weight.element_size()
-            session.peak_buffered_bytes = max(session.peak_buffered_bytes, session.buffered_bytes)
+        session.buffered_bytes += loaded_weight.numel() * loaded_weight.element_size()
+        session.peak_buffered_bytes = max(session.peak_buffered_bytes, session.buffered_bytes)
         if completes:
             _process_layer(layer, info)
 
@@ -214,8 +211,6 @@ def _process_layer(layer: nn.Module, info: LayerReloadingInfo) -> None:
     info.loaded_weights = []
     info.done = True
     session.processed.append(info.prefix)
-    if session.on_layer_done is not None:
-        session.on_layer_done(info.prefix)
 
 
 def _check_kernel_format(info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
@@ -237,9 +232,12 @@ def _commit(layer: nn.Module, info: LayerReloadingInfo, processed: dict[str, tor
     set_layer_tensors(layer, info.kernel_tensors)
 
 
-def _unwrap(info: LayerReloadingInfo) -> None:
+def _close(info: LayerReloadingInfo) -> None:
+    """Unwrap the layer's loaders and forget the session's state for it."""
     for name, meta_param in info.restore_metadata.items():
         meta_param.weight_loader = info.weight_loaders[name]
+    info.reset()
+    info.session = None
 
 
 def abort_layerwise_reload(model: nn.Module) -> list[str]:
@@ -260,9 +258,7 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
             if info.done and not session.atomic:
                 updated.append(prefix)
             set_layer_tensors(layer, info.kernel_tensors)
-        _unwrap(info)
-        info.reset()
-        info.session = None
+        _close(info)
     return updated
 
 
@@ -299,9 +295,7 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
             _commit(layer, info, info.staged)
         elif info.kernel_tensors and not info.done:
             set_layer_tensors(layer, info.kernel_tensors)
-        _unwrap(info)
-        info.reset()
-        info.session = None
+        _close(info)
     del _SESSIONS[model]
     return session
 

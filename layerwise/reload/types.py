@@ -74,7 +74,7 @@ class ReloadSession:
         layers: prefix -> layer, for every layer with a LayerReloadingInfo.
         first_load: True while loading into a model created on the meta device.
         atomic: processed layers are staged and committed only at finalize.
-        current_key / current_file: the checkpoint tensor being loaded (for error messages).
+        current_key: the checkpoint key being loaded (for error messages).
         processed: prefixes of the layers completed so far, in order.
         buffered_bytes / peak_buffered_bytes: bytes of checkpoint tensors held in buffers (on CPU)
             by incomplete layers, now and at most during this session (memory-mapped views count,
@@ -86,11 +86,9 @@ class ReloadSession:
     first_load: bool
     atomic: bool = False
     current_key: Optional[str] = None
-    current_file: Optional[str] = None
     processed: list[str] = field(default_factory=list)
     buffered_bytes: int = 0
     peak_buffered_bytes: int = 0
-    on_layer_done: Optional[Callable[[str], None]] = None
 
 
 def intervals_of_view(offset: int, sizes: tuple, strides: tuple) -> tuple[np.ndarray, int]:
