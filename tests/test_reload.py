@@ -248,3 +248,19 @@ def test_engine_kv_cache_matches_full_recompute(pair):
     engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32)
     prompts = [[3, 1, 4, 1, 5], [2, 7]]
     assert engine.generate(prompts, 5) == [greedy_tokens(engine.model, p, 5) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"])
+def test_kernel_format_reload_rejects_non_finite_and_changes_nothing(pair, name):
+    a, _ = pair
+    model = layerwise.load_model(a)
+    before = model_digest(model)
+    t = model.state_dict()[name].clone()
+    if t.dtype == torch.float8_e4m3fn:  # e4m3fn has NaN only: bits S.1111.111
+        t.view(torch.uint8)[0, 3] = 0x7F
+    else:
+        t.view(-1)[2] = float("inf")
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, [(name, t)], is_checkpoint_format=False)
+    assert isinstance(e.value.cause, layerwise.NonFiniteWeightError) and e.value.key == name
+    assert model_digest(model) == before
