@@ -44,7 +44,7 @@ def fp8_quantize(w: torch.Tensor, scale: torch.Tensor, kernel: str = "torch") ->
 
         return fp8_quantize_triton(w, scale)
     if cpu_fused.use_fused(w, scale_layout(w, scale)):
-        return cpu_fused.quantize_per_tensor_fused(w, torch.reciprocal(scale.float()))
+        return cpu_fused.quantize_per_tensor_fused(w, scale.float())
     return reference.quantize(w, scale)
 
 

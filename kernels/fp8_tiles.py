@@ -1,51 +1,75 @@
-"""Triton quantize and dequantize over 2-D tiles, for any scale layout.
+"""Triton FP8 kernels over 2-D tiles: amax, quantize and dequantize for every scale layout.
 
-One scale per tensor, per row (channel), or per 128 x 128 block: the kernels look up each
-element's scale by its row and column (SCALE_MODE 0, 1, 2), so all three granularities share the
-same two kernels and the same e4m3 rounding.
+A weight is seen as an [N, K] matrix (a per-tensor weight of any shape as rows of its last dim).
+One scale per tensor, per row (channel), or per 128 x 128 block: the quantize and dequantize
+kernels look up each element's scale by its row and column (SCALE_MODE 0, 1, 2), so the three
+granularities share two kernels and one e4m3 encoding. The amax kernel reduces each tile and
+writes per-tile partials (one per tile, or one per row of a tile); torch finishes the reduction,
+which for per-block tiles of 128 x 128 is no work at all.
+
+FP8 data crosses the kernel boundary as uint8 bytes (see ``kernels.triton_common``), so the same
+kernels run on sm_80 and newer, and under the interpreter on CPU.
 """
 
 import torch
 
-from kernels.triton_common import (as_kernel_input, build, check_input, helper, load_f32, round_to_e4m3, tile,
-                                   tl, triton)
-from kernels.reference import BLOCK_SIZE, FP8_DTYPE, scale_layout
+from kernels.reference import BLOCK_SIZE, FP8_DTYPE, GRANULARITIES, scale_layout, scale_shape
+from kernels.triton_common import (abs_nan_to_inf, as_kernel_input, as_matrix, check_input, e4m3_bits, e4m3_value,
+                                   grid_1d, helper, launch, load_f32, max_all, tile, tile_index, tl, triton)
 
-_MODES = {"tensor": 0, "channel": 1, "block": 2}
+SCALE_MODES = {"tensor": 0, "channel": 1, "block": 2}
+
+
+def _amax_kernel(x_ptr, out_ptr, n_rows, n_cols, IS_BF16: tl.constexpr, PER_ROW: tl.constexpr,
+                 TILE_N: tl.constexpr, TILE_K: tl.constexpr):
+    row_tile, col_tile = tile_index(n_cols, TILE_K)
+    rows = row_tile * TILE_N + tl.arange(0, TILE_N)
+    cols = col_tile * TILE_K + tl.arange(0, TILE_K)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    a = abs_nan_to_inf(load_f32(x_ptr + rows[:, None] * n_cols + cols[None, :], mask, IS_BF16))
+    if PER_ROW:  # out [col_tiles, n_rows]: this column tile's max of each of its rows
+        tl.store(out_ptr + col_tile * n_rows + rows, max_all(a, 1), mask=rows < n_rows)
+    else:  # out [row_tiles * col_tiles]: one max per tile
+        tl.store(out_ptr + tl.program_id(0), max_all(max_all(a, 1), 0))
 
 
 @helper
-def load_scale(ptr, rows, cols, mask, n_rows, scale_cols, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+def load_scale(ptr, rows, cols, mask, scale_cols, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr):
-    """The scale of each element of a [TILE_N, TILE_K] tile: one for the tensor (SCALE_MODE 0),
-    one per row (1), or one per BLOCK_N x BLOCK_K block of a [*, scale_cols] scale grid (2)."""
+    """The scale of each element of a [TILE_N, TILE_K] tile (rows [TILE_N, 1], cols [1, TILE_K]):
+    one for the tensor (SCALE_MODE 0), one per row (1), or one per BLOCK_N x BLOCK_K block of a
+    [*, scale_cols] scale grid (2). Every mode loads a full tile, so the branches agree in shape."""
     if SCALE_MODE == 0:
-        return tl.load(ptr)
-    if SCALE_MODE == 1:
-        return tl.load(ptr + rows, mask=rows < n_rows, other=1.0)
-    return tl.load(ptr + (rows // BLOCK_N) * scale_cols + cols // BLOCK_K, mask=mask, other=1.0)
+        offs = rows * 0 + cols * 0
+    elif SCALE_MODE == 1:
+        offs = rows + cols * 0
+    else:
+        offs = (rows // BLOCK_N) * scale_cols + cols // BLOCK_K
+    return tl.load(ptr + offs, mask=mask, other=1.0)
 
 
-def _quantize_kernel(x_ptr, out_ptr, inv_ptr, n_rows, n_cols, scale_cols, IS_BF16: tl.constexpr,
+def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n_rows, n_cols, scale_cols, IS_BF16: tl.constexpr,
                      SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      TILE_N: tl.constexpr, TILE_K: tl.constexpr):
-    rows = (tl.program_id(0) * TILE_N + tl.arange(0, TILE_N))[:, None]
-    cols = (tl.program_id(1) * TILE_K + tl.arange(0, TILE_K))[None, :]
+    row_tile, col_tile = tile_index(n_cols, TILE_K)
+    rows = (row_tile * TILE_N + tl.arange(0, TILE_N))[:, None]
+    cols = (col_tile * TILE_K + tl.arange(0, TILE_K))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
     x = load_f32(x_ptr + rows * n_cols + cols, mask, IS_BF16)
-    inv = load_scale(inv_ptr, rows, cols, mask, n_rows, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
-    y = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-    tl.store(out_ptr + rows * n_cols + cols, round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+    scale = load_scale(scale_ptr, rows, cols, mask, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
+    y = tl.minimum(tl.maximum(tl.fdiv(x, scale, ieee_rounding=True), -448.0), 448.0)
+    tl.store(out_ptr + rows * n_cols + cols, e4m3_bits(y).to(tl.uint8), mask=mask)
 
 
 def _dequantize_kernel(q_ptr, out_ptr, scale_ptr, n_rows, n_cols, scale_cols, OUT_BF16: tl.constexpr,
                        SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr,
                        TILE_K: tl.constexpr):
-    rows = (tl.program_id(0) * TILE_N + tl.arange(0, TILE_N))[:, None]
-    cols = (tl.program_id(1) * TILE_K + tl.arange(0, TILE_K))[None, :]
+    row_tile, col_tile = tile_index(n_cols, TILE_K)
+    rows = (row_tile * TILE_N + tl.arange(0, TILE_N))[:, None]
+    cols = (col_tile * TILE_K + tl.arange(0, TILE_K))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
-    q = tl.load(q_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    y = q * load_scale(scale_ptr, rows, cols, mask, n_rows, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
+    q = e4m3_value(tl.load(q_ptr + rows * n_cols + cols, mask=mask, other=0).to(tl.int32))
+    y = q * load_scale(scale_ptr, rows, cols, mask, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
     if OUT_BF16:  # out_ptr holds int16 bits: round half to even by hand (the interpreter truncates)
         bits = y.to(tl.int32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -54,22 +78,50 @@ def _dequantize_kernel(q_ptr, out_ptr, scale_ptr, n_rows, n_cols, scale_cols, OU
         tl.store(out_ptr + rows * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _as_2d(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(1, -1) if t.dim() != 2 else t
+def amax_triton(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
+    """max(|w|) per scale group, float32 of :func:`kernels.reference.scale_shape`; +Inf for a group
+    holding NaN or Inf.
+
+    Args:
+        w: contiguous bf16/fp16/fp32 tensor on cuda (compiled) or cpu (interpreted); 2-D [N, K]
+            for "channel" and "block", any shape for "tensor".
+        granularity: "tensor", "channel" or "block".
+    Raises:
+        TypeError / ValueError: wrong dtype, rank, layout, device or granularity.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; choose one of {GRANULARITIES}")
+    check_input(w, "amax_triton", ndim=None if granularity == "tensor" else 2)
+    shape = scale_shape(w.shape, granularity)
+    if w.numel() == 0:
+        return torch.zeros(shape, dtype=torch.float32, device=w.device)
+    x, is_bf16 = as_kernel_input(as_matrix(w))
+    n_rows, n_cols = x.shape
+    tile_n, tile_k = BLOCK_SIZE if granularity == "block" else tile(w.device)
+    grid = grid_1d(n_rows, n_cols, tile_n, tile_k)
+    per_row = granularity == "channel"
+    partial = torch.empty((triton.cdiv(n_cols, tile_k), n_rows) if per_row else grid, dtype=torch.float32,
+                          device=w.device)
+    launch(_amax_kernel, w.device, grid, x, partial, n_rows, n_cols, IS_BF16=is_bf16, PER_ROW=per_row,
+           TILE_N=tile_n, TILE_K=tile_k)
+    if granularity == "tensor":
+        return partial.amax()
+    if per_row:
+        return partial.amax(dim=0).unsqueeze(1)
+    return partial.view(shape)
 
 
-def _launch(fn, x: torch.Tensor, out: torch.Tensor, scale_arg: torch.Tensor, granularity: str, **meta) -> None:
-    n_rows, n_cols = _as_2d(x).shape
-    tn, tk = tile(x.device)
-    grid = (triton.cdiv(n_rows, tn), triton.cdiv(n_cols, tk))
-    scale_cols = scale_arg.shape[-1] if scale_arg.dim() == 2 else 1
-    build(fn, x.device.type == "cpu")[grid](x, out, scale_arg, n_rows, n_cols, scale_cols,
-                                            SCALE_MODE=_MODES[granularity], BLOCK_N=BLOCK_SIZE[0],
-                                            BLOCK_K=BLOCK_SIZE[1], TILE_N=tn, TILE_K=tk, **meta)
+def _launch(fn, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, granularity: str, **meta) -> None:
+    n_rows, n_cols = x.shape
+    tile_n, tile_k = tile(x.device)
+    scale_cols = scale.shape[-1] if granularity == "block" else 1
+    launch(fn, x.device, grid_1d(n_rows, n_cols, tile_n, tile_k), x, out, scale, n_rows, n_cols, scale_cols,
+           SCALE_MODE=SCALE_MODES[granularity], BLOCK_N=BLOCK_SIZE[0], BLOCK_K=BLOCK_SIZE[1], TILE_N=tile_n,
+           TILE_K=tile_k, **meta)
 
 
 def quantize_triton(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """e4m3fn(clamp(float32(w) * (1 / scale))) with the scale looked up per element.
+    """e4m3fn(clamp(float32(w) / scale, -448, 448)) with the scale looked up per element.
 
     Args:
         w: contiguous bf16/fp16/fp32 tensor, 2-D [N, K] (any shape for a per-tensor scale), on
@@ -90,15 +142,20 @@ def quantize_triton(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
         raise ValueError(f"quantize_triton: out must be contiguous {FP8_DTYPE} of shape {tuple(w.shape)}")
     if w.numel() == 0:
         return out
-    inv = torch.reciprocal(scale.to(device=w.device, dtype=torch.float32)).contiguous()
-    x, is_bf16 = as_kernel_input(w)
-    _launch(_quantize_kernel, x, out, inv, granularity, IS_BF16=is_bf16)
+    x, is_bf16 = as_kernel_input(as_matrix(w))
+    scale = scale.to(device=w.device, dtype=torch.float32).contiguous()
+    _launch(_quantize_kernel, x, as_matrix(out).view(torch.uint8), scale, granularity, IS_BF16=is_bf16)
     return out
 
 
 def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32(q) * scale, cast to ``dtype`` (bf16, fp16 or fp32); same scale layouts as quantize.
 
+    Args:
+        q: contiguous float8_e4m3fn tensor, 2-D [N, K] (any shape for a per-tensor scale).
+        scale: float32, 1 element, [N, 1] or [ceil(N/128), ceil(K/128)].
+    Returns:
+        tensor of q's shape in ``dtype``, bit-identical to ``kernels.reference.dequantize``.
     Raises:
         TypeError / ValueError: q not contiguous float8_e4m3fn, bad scale shape, unsupported dtype.
     """
@@ -110,6 +167,10 @@ def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if q.numel():
         is_bf16 = dtype == torch.bfloat16
-        _launch(_dequantize_kernel, q, out.view(torch.int16) if is_bf16 else out,
+        dst = as_matrix(out)
+        _launch(_dequantize_kernel, as_matrix(q).view(torch.uint8), dst.view(torch.int16) if is_bf16 else dst,
                 scale.to(torch.float32).contiguous(), granularity, OUT_BF16=is_bf16)
     return out
+
+
+__all__ = ["SCALE_MODES", "amax_triton", "dequantize_triton", "quantize_triton"]

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_per_block import amax_per_block_triton
-from kernels.fp8_per_channel import amax_per_channel_triton
-from kernels.fp8_per_tensor import amax_per_tensor_triton
-from kernels.fp8_tiles import dequantize_triton, quantize_triton
+from kernels.fp8_tiles import amax_triton, dequantize_triton, quantize_triton
 from kernels.reference import FP8_DTYPE, scale_shape
-
-_AMAX = {"tensor": amax_per_tensor_triton, "channel": amax_per_channel_triton, "block": amax_per_block_triton}
 
 
 @torch.library.custom_op("layerwise::fp8_amax_triton", mutates_args=())
 def fp8_amax_triton(w: torch.Tensor, granularity: str) -> torch.Tensor:
     """Triton amax at ``granularity`` ("tensor", "channel", "block"); float32, scale-shaped."""
-    return _AMAX[granularity](w.contiguous())
+    return amax_triton(w.contiguous(), granularity)
 
 
 @fp8_amax_triton.register_fake

@@ -5,13 +5,15 @@ The arithmetic is fixed so that any implementation can reproduce it exactly:
 
     amax  = max(|w|) over the scale's group, in float32 (exact: max involves no rounding)
     scale = amax / 448 (float32), or 1.0 where amax == 0, and never below float32's smallest normal
-    q     = e4m3fn(round_half_even(clamp(float32(w) * (1 / scale), -448, 448)))
+    q     = e4m3fn(round_half_even(clamp(float32(w) / scale, -448, 448)))
 
 Groups: the whole tensor ("tensor", scale shape [] or [1]); each output row ("channel", [N, 1]);
 each 128 x 128 block ("block", [ceil(N/128), ceil(K/128)], DeepSeek-V3's weight_scale_inv layout).
-Multiplying by the float32 reciprocal keeps the per-element work one correctly rounded multiply,
-which Triton reproduces exactly (its fp32 division is not IEEE division on every backend).
-The recipe scale = amax / finfo(e4m3).max is vLLM's (scaled_fp8_quant) and torchao's.
+The division is IEEE float32 division, as in torch's own ``(w.float() / scale)`` on CPU and in
+torchao's ``quantize_affine_float8``, so the bytes equal torchao's Float8WeightOnly per-tensor ones;
+the Triton kernels ask for it explicitly (``tl.fdiv(..., ieee_rounding=True)``: Triton's default
+fp32 division is approximate). The recipe scale = amax / finfo(e4m3).max is vLLM's
+(scaled_fp8_quant) and torchao's.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = No
     granularity = scale_layout(w, scale)
     if out is None:
         out = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
-    inv = torch.reciprocal(scale.float())
+    scale = scale.float()
     src = w.reshape(1, -1) if granularity == "tensor" else w
     dst = out.view(1, -1) if granularity == "tensor" else out
     n, k = src.shape
@@ -162,7 +164,7 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = No
             c1 = min(c0 + CHUNK_NUMEL, k)
             tmp = buf[: c1 - c0].view(1, -1)
             tmp.copy_(src[:, c0:c1])
-            tmp.mul_(inv.reshape(())).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            tmp.div_(scale.reshape(())).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
             dst[:, c0:c1].copy_(tmp)
         return out
     bk = BLOCK_SIZE[1]
@@ -170,11 +172,11 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = No
         tmp = buf[: (r1 - r0) * k].view(r1 - r0, k)
         tmp.copy_(src[r0:r1])
         if granularity == "channel":
-            tmp.mul_(inv[r0:r1])
+            tmp.div_(scale[r0:r1])
         else:  # one 128-column slice at a time: the scale is never expanded to the chunk's size
-            inv_rows = _expand_rows(inv, "block_rows", r0, r1, k)  # [rows, ceil(K / 128)]
-            for j in range(inv_rows.shape[1]):
-                tmp[:, j * bk:(j + 1) * bk].mul_(inv_rows[:, j:j + 1])
+            scale_rows = _expand_rows(scale, "block_rows", r0, r1, k)  # [rows, ceil(K / 128)]
+            for j in range(scale_rows.shape[1]):
+                tmp[:, j * bk:(j + 1) * bk].div_(scale_rows[:, j:j + 1])
         tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         dst[r0:r1].copy_(tmp)
     return out

@@ -8,7 +8,7 @@ from kernels import (GRANULARITIES, NonFiniteError, fp8_amax, fp8_dequantize, fp
                      scale_from_amax, scale_shape)
 from kernels import cpu_fused, reference
 from kernels.fp8_tiles import quantize_triton
-from kernels.fp8_per_tensor import amax_per_tensor_triton
+from kernels.fp8_tiles import amax_triton
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SHAPES = [(1, 1), (7, 13), (257, 4099), (300, 200)]  # none a multiple of the 128 x 128 block but 1x1
@@ -108,7 +108,7 @@ def test_wrappers_check_inputs():
     with pytest.raises(ValueError, match="contiguous"):
         quantize_triton(torch.randn(8, 8).t(), torch.ones(()))
     with pytest.raises(TypeError, match="bf16/fp16/fp32"):
-        amax_per_tensor_triton(torch.ones(4, dtype=torch.int32))
+        amax_triton(torch.ones(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="fits no layout"):
         quantize_triton(torch.randn(4, 4), torch.ones(2))
     with pytest.raises(ValueError, match="2-D"):
@@ -153,16 +153,30 @@ def test_fused_cpu_quantize_is_bit_exact(monkeypatch):
         assert torch.equal(_bits(fp8_quantize(w, scale, "torch")), _bits(reference.quantize(w, scale)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_compiled_triton_equals_cpu_reference(granularity):
-    w = torch.randn(257, 4099, dtype=torch.bfloat16)
-    q_cpu, s_cpu = fp8_quantize_weight(w, granularity, "torch")
-    q_gpu, s_gpu = fp8_quantize_weight(w.cuda(), granularity, "triton")
-    assert torch.equal(s_cpu, s_gpu.cpu()) and torch.equal(_bits(q_cpu), _bits(q_gpu).cpu())
+@pytest.mark.parametrize("shape", [(), (5,), (3, 5, 7), (2, 3, 4, 9)])
+def test_per_tensor_of_any_rank(shape):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).bfloat16()
+    _check(w, "tensor")
+
+
+def test_launch_grid_is_one_axis_for_real_model_sizes():
+    from kernels.triton_common import MAX_PROGRAMS, TILE_CUDA, as_matrix, grid_1d
+
+    # a 131072 x 16384 embedding (2^31 elements; 128256 x 16384 is just under): the old 2-D grid put
+    # 64 column tiles on axis 1, and a flat per-tensor layout put numel / 256 > 65535 programs there
+    n, k = 131072 + 16, 16384
+    grid = grid_1d(n, k, *TILE_CUDA)
+    assert len(grid) == 1 and grid[0] == (n // 16) * (k // 256) <= MAX_PROGRAMS
+    assert (n - 1) * k + (k - 1) >= 2**31  # the last offset needs 64 bits (test_kernels_compile checks i64)
+    # per-tensor on a non-2-D tensor is laid out as rows of its last dimension, not one long row
+    assert as_matrix(torch.empty(4, 1000, 4096, device="meta")).shape == (4000, 4096)
+    assert as_matrix(torch.empty((), device="meta")).shape == (1, 1)
+    with pytest.raises(ValueError, match="programs"):
+        grid_1d(2**40, 2**20, *TILE_CUDA)
 
 
 def test_resolve_kernel():
     assert kernels.resolve_kernel(None, "cpu") == "torch"
+    assert kernels.resolve_kernel(None, "cuda") == ("triton" if kernels.HAS_TRITON else "torch")
     with pytest.raises(ValueError):
         kernels.resolve_kernel("cutlass", "cpu")

@@ -1,0 +1,75 @@
+"""Every Triton kernel variant the library launches on a GPU, for ahead-of-time compile checks.
+
+``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32))`` builds a
+cubin without a GPU (Triton ships ptxas), so CPU-only CI proves that each variant compiles for each
+compute capability (tests/test_kernels_compile.py). The variants are derived from the same
+constants the launch wrappers in ``kernels.fp8_tiles`` use: input/output dtypes, scale modes,
+per-row or per-tile amax, CUDA tile sizes and the 128 x 128 block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from kernels.fp8_tiles import SCALE_MODES, _amax_kernel, _dequantize_kernel, _quantize_kernel
+from kernels.reference import BLOCK_SIZE
+from kernels.triton_common import TILE_CUDA
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# pointer type a tensor of each dtype is passed as (bf16 travels as int16 bits: see triton_common)
+POINTER_TYPES = {torch.bfloat16: "*i16", torch.float16: "*fp16", torch.float32: "*fp32"}
+# compute capabilities checked: A100 (no e4m3 hardware type), L40S/RTX 4090, H100/H200
+CUDA_TARGETS = (80, 89, 90)
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One specialization of a kernel: its Python function, argument types and constexprs.
+
+    Attributes:
+        name: readable id, e.g. "quantize[bfloat16,channel,i32]".
+        fn: the undecorated kernel function (wrap with ``triton.jit`` to compile).
+        signature: argument name -> Triton type ("*fp32", "i32", "constexpr").
+        constexprs: constexpr argument name -> value.
+    """
+
+    name: str
+    fn: Callable
+    signature: dict
+    constexprs: dict
+
+
+def _signature(fn: Callable, types: dict, constexprs: dict) -> dict:
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    return {n: "constexpr" if n in constexprs else types[n] for n in names}
+
+
+def cuda_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
+    """Every (kernel, dtype, scale layout, tile) the wrappers launch on CUDA.
+
+    Args:
+        index_type: Triton type of the size arguments: "i32", or "i64" (what Triton picks for a
+            size of 2^31 or more).
+    """
+    sizes = {"n_rows": index_type, "n_cols": index_type, "scale_cols": index_type}
+    for dtype in DTYPES:
+        for granularity in ("tensor", "channel", "block"):
+            tile_n, tile_k = BLOCK_SIZE if granularity == "block" else TILE_CUDA
+            const = dict(IS_BF16=dtype == torch.bfloat16, PER_ROW=granularity == "channel", TILE_N=tile_n, TILE_K=tile_k)
+            types = dict(sizes, x_ptr=POINTER_TYPES[dtype], out_ptr="*fp32")
+            yield KernelVariant(f"amax[{str(dtype)[6:]},{granularity},{index_type}]", _amax_kernel,
+                                _signature(_amax_kernel, types, const), const)
+        for granularity, mode in SCALE_MODES.items():
+            common = dict(SCALE_MODE=mode, BLOCK_N=BLOCK_SIZE[0], BLOCK_K=BLOCK_SIZE[1], TILE_N=TILE_CUDA[0],
+                          TILE_K=TILE_CUDA[1])
+            const = dict(common, IS_BF16=dtype == torch.bfloat16)
+            types = dict(sizes, x_ptr=POINTER_TYPES[dtype], out_ptr="*u8", scale_ptr="*fp32")
+            yield KernelVariant(f"quantize[{str(dtype)[6:]},{granularity},{index_type}]", _quantize_kernel,
+                                _signature(_quantize_kernel, types, const), const)
+            const = dict(common, OUT_BF16=dtype == torch.bfloat16)
+            types = dict(sizes, q_ptr="*u8", out_ptr=POINTER_TYPES[dtype], scale_ptr="*fp32")
+            yield KernelVariant(f"dequantize[{str(dtype)[6:]},{granularity},{index_type}]", _dequantize_kernel,
+                                _signature(_dequantize_kernel, types, const), const)
