@@ -19,7 +19,6 @@ nothing at all), and tied parameters are one module, hence one layer.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -35,24 +34,31 @@ from layerwise.reload.types import BufferedLoad, LayerReloadingInfo, ReloadSessi
 from quant.base import check_finite
 from quant.parameters import ModelWeightParameter
 
-_INFOS: "weakref.WeakKeyDictionary[nn.Module, LayerReloadingInfo]" = weakref.WeakKeyDictionary()
-_SESSIONS: "weakref.WeakKeyDictionary[nn.Module, ReloadSession]" = weakref.WeakKeyDictionary()
+# The state lives on the modules themselves, never in a module-level registry: an info holds its
+# layer's bound weight loaders, so a registry keyed by the layer (even a WeakKeyDictionary) would
+# keep every loaded model alive forever. On the module, the references form a cycle that the
+# garbage collector frees with the model.
+_INFO_ATTR = "_layerwise_info"  # on each layer with parameters: its LayerReloadingInfo
+_SESSION_ATTR = "_layerwise_session"  # on the model, between initialize and finalize/abort
 
 
 def get_layerwise_info(layer: nn.Module) -> Optional[LayerReloadingInfo]:
     """The LayerReloadingInfo recorded for ``layer``, or None if it has no parameters of its own."""
-    return _INFOS.get(layer)
+    return layer.__dict__.get(_INFO_ATTR)
 
 
-def get_session(model: nn.Module) -> Optional[ReloadSession]:
-    """The load/reload session in progress on ``model`` (between initialize and finalize), or None."""
-    return _SESSIONS.get(model)
+def _session(model: nn.Module) -> Optional[ReloadSession]:
+    return model.__dict__.get(_SESSION_ATTR)
+
+
+def _end_session(model: nn.Module) -> Optional[ReloadSession]:
+    return model.__dict__.pop(_SESSION_ATTR, None)
 
 
 def _layers(model: nn.Module):
     """(prefix, layer, info) for every layer with recorded metadata; a tied module appears once."""
     for prefix, module in model.named_modules():
-        info = _INFOS.get(module)
+        info = get_layerwise_info(module)
         if info is not None:
             yield prefix, module, info
 
@@ -79,7 +85,7 @@ def record_metadata_for_reloading(model: nn.Module) -> None:
             weight_loaders={n: p.weight_loader for n, p in params.items()},
             load_numel_total=sum(p.numel() for p in params.values()))
         info.reset()
-        _INFOS[module] = info
+        module.__dict__[_INFO_ATTR] = info
 
 
 def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device] = None,
@@ -93,11 +99,11 @@ def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device]
             (costs, on the device, the processed size of every layer in the stream: up to the whole
             model's kernel-tensor bytes for a full reload).
     Returns:
-        the session (also reachable with :func:`get_session`).
+        the session.
     Raises:
         RuntimeError: a session is already in progress on this model, or no metadata was recorded.
     """
-    if model in _SESSIONS:
+    if _session(model) is not None:
         raise RuntimeError("a layerwise load/reload is already in progress on this model")
     layers = {}
     first_load = True
@@ -115,13 +121,13 @@ def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device]
         raise RuntimeError("device is required when loading a model that is still on the meta device")
     session = ReloadSession(device=torch.device(device), layers=layers, first_load=first_load, atomic=atomic)
     for layer in layers.values():
-        info = _INFOS[layer]
+        info = get_layerwise_info(layer)
         info.reset()
         info.session = session
         restore_layer_on_meta(layer, info)
         for name, meta_param in info.restore_metadata.items():
             meta_param.weight_loader = online_process_loader(layer, info, name)
-    _SESSIONS[model] = session
+    model.__dict__[_SESSION_ATTR] = session
     return session
 
 
@@ -248,12 +254,12 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     empty for an atomic session). On a first load there is nothing to restore and the model stays
     on meta.
     """
-    session = _SESSIONS.pop(model, None)
+    session = _end_session(model)
     if session is None:
         return []
     updated = []
     for prefix, layer in session.layers.items():
-        info = _INFOS[layer]
+        info = get_layerwise_info(layer)
         if info.kernel_tensors:
             if info.done and not session.atomic:
                 updated.append(prefix)
@@ -273,12 +279,12 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
             reload the model is left usable (see :func:`abort_layerwise_reload`) and the error is a
             ReloadError subclass instance listing ``updated_layers``.
     """
-    session = _SESSIONS.get(model)
+    session = _session(model)
     if session is None:
         raise RuntimeError("no layerwise load/reload in progress on this model")
     problems = []
     for prefix, layer in session.layers.items():
-        info = _INFOS[layer]
+        info = get_layerwise_info(layer)
         if info.done:
             continue
         if info.load_numel or session.first_load:
@@ -290,13 +296,13 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
             raise MissingWeightError("checkpoint does not provide: " + "; ".join(problems))
         raise _MissingOnReload("reload incomplete: " + "; ".join(problems), updated_layers=updated)
     for prefix, layer in session.layers.items():
-        info = _INFOS[layer]
+        info = get_layerwise_info(layer)
         if info.staged:
             _commit(layer, info, info.staged)
         elif info.kernel_tensors and not info.done:
             set_layer_tensors(layer, info.kernel_tensors)
         _close(info)
-    del _SESSIONS[model]
+    _end_session(model)
     return session
 
 
