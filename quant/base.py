@@ -19,12 +19,14 @@ from kernels.reference import amax
 from quant.parameters import ModelWeightParameter, WeightLoader
 
 
-def check_finite(layer: nn.Module) -> None:
-    """Raise NonFiniteError naming the first parameter of ``layer`` holding NaN/Inf.
+def check_finite(layer: nn.Module, skip: Sequence[str] = ()) -> None:
+    """Raise NonFiniteError naming the first parameter of ``layer`` (except ``skip``) holding NaN/Inf.
 
     One pass per parameter through ``aminmax``; no temporary the size of the parameter.
     """
     for name, p in layer.named_parameters(recurse=False):
+        if name in skip:
+            continue
         if p.is_floating_point() and p.dtype.itemsize > 1 and not bool(torch.isfinite(amax(p))):
             raise NonFiniteError(f"parameter {name!r} holds NaN or Inf")
 

@@ -28,6 +28,7 @@ This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -36,8 +37,9 @@ from torch import nn
 
 from kernels import FP8_DTYPE, FP8_E4M3_MAX, fp8_dequantize, fp8_quantize_weight
 from kernels.reference import amax, quantize
-from quant.base import QuantMethod
+from quant.base import QuantMethod, check_finite
 
+logger = logging.getLogger(__name__)
 FP8_MODES = ("auto", "w8a8", "w8a16")
 SCALE_NAMES = {"tensor": "weight_scale", "channel": "weight_scale", "block": "weight_scale_inv"}
 
@@ -53,6 +55,27 @@ def scaled_mm_preferred(device: torch.device) -> bool:
     """Whether "auto" picks W8A8: on CUDA sm89+ only. torch 2.13's CPU ``_scaled_mm`` is a slow
     reference (measured here: ~30 MFLOP/s, 100 ms for 64x128x384), far behind dequantize + matmul."""
     return device.type == "cuda" and scaled_mm_supported(device)
+
+
+def scaled_mm_out_dtypes(granularity: str, device: torch.device) -> tuple[torch.dtype, ...]:
+    """Output (= activation) dtypes ``torch._scaled_mm`` accepts for ``granularity`` on ``device``.
+
+    CUDA's row-wise (per-channel) FP8 GEMM is a CUTLASS kernel with bf16 output only
+    (aten/src/ATen/native/cuda/RowwiseScaledMM*: f8f8bf16_rowwise); per-tensor scaling goes
+    through cuBLASLt, which writes bf16, fp16 or fp32. torch 2.13's CPU ``_scaled_mm`` takes all three.
+    """
+    if device.type == "cuda" and granularity == "channel":
+        return (torch.bfloat16,)
+    return (torch.bfloat16, torch.float16, torch.float32)
+
+
+_WARNED: set = set()  # (scheme, dtype, device type) already warned about: one warning each per process
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
 
 
 def _activation_scale(x2: torch.Tensor, granularity: str) -> torch.Tensor:
@@ -87,33 +110,52 @@ class Fp8LinearMethod(QuantMethod):
             raise ValueError("w8a8 is not available for per-block scales; use w8a16 or auto")
         self.granularity, self.kernel, self.mode = granularity, kernel, mode
         self.scale_name = SCALE_NAMES[granularity]
-        self._scaled_mm: Optional[bool] = None  # decided at the first forward (one method per layer)
+        self._scaled_mm: dict[torch.dtype, bool] = {}  # per activation dtype, decided at its first forward
         self.name = f"fp8-per-{granularity}"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Quantize ``layer.weight`` [out, in] to float8_e4m3fn and register its float32 scale.
+
+        Raises:
+            NonFiniteError: the weight or another parameter (the bias) holds NaN or Inf.
+        """
+        check_finite(layer, skip=("weight",))  # the weight's own check is its amax
         q, scale = fp8_quantize_weight(layer.weight.data, self.granularity, self.kernel)
         del layer.weight
         layer.weight = nn.Parameter(q, requires_grad=False)
         scale = scale.reshape(1) if self.granularity == "tensor" else scale
         layer.register_parameter(self.scale_name, nn.Parameter(scale, requires_grad=False))
 
-    def _use_scaled_mm(self, weight: torch.Tensor) -> bool:
+    def _use_scaled_mm(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether the forward for activations of ``dtype`` runs W8A8 (``torch._scaled_mm``).
+
+        Falls back to W8A16 with one logged warning when ``_scaled_mm`` does not take ``dtype``
+        for this scale layout (fp16/fp32 with per-channel scales on CUDA).
+        Raises:
+            RuntimeError: mode "w8a8" where ``_scaled_mm`` cannot run at all (device, shape).
+        """
         if self.mode == "w8a16" or self.granularity == "block":
             return False
         out_features, in_features = weight.shape
         aligned = weight.device.type != "cuda" or (in_features % 16 == 0 and out_features % 16 == 0)
-        if self.mode == "auto":
-            return scaled_mm_preferred(weight.device) and aligned
+        if self.mode == "auto" and not (scaled_mm_preferred(weight.device) and aligned):
+            return False
         if not (scaled_mm_supported(weight.device) and aligned):
             raise RuntimeError(f"w8a8 requested but torch._scaled_mm cannot run shape {tuple(weight.shape)} "
                                f"on {weight.device}")
+        if dtype not in scaled_mm_out_dtypes(self.granularity, weight.device):
+            _warn_once((self.name, dtype, weight.device.type),
+                       f"{self.name}: torch._scaled_mm does not take {dtype} activations on {weight.device.type}; "
+                       f"running W8A16 (dequantize, then matmul) for them instead")
+            return False
         return True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         weight, scale = layer.weight, getattr(layer, self.scale_name)
-        if self._scaled_mm is None:  # weight device and shape never change after loading
-            self._scaled_mm = self._use_scaled_mm(weight)
-        if not self._scaled_mm:
+        use_scaled_mm = self._scaled_mm.get(x.dtype)
+        if use_scaled_mm is None:  # weight device and shape never change after loading
+            use_scaled_mm = self._scaled_mm[x.dtype] = self._use_scaled_mm(weight, x.dtype)
+        if not use_scaled_mm:
             return F.linear(x, fp8_dequantize(weight, scale, x.dtype, self.kernel), bias)
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = _activation_scale(x2, self.granularity)

@@ -111,6 +111,23 @@ def test_non_finite_weight(ckpt, bad, key):
     assert e.value.key == key and key in str(e.value)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -float("inf")])
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-per-channel", "fp8-per-block", "none"])
+def test_non_finite_bias(tmp_path_factory, bad, quantization):
+    from tests.hf_checkpoints import write_hf_checkpoint
+
+    path = write_hf_checkpoint(tmp_path_factory.mktemp("qwen2"), "Qwen2ForCausalLM")  # q/k/v carry a bias
+    key = "model.layers.1.self_attn.k_proj.bias"
+
+    def poison(t):
+        t[key] = t[key].clone()
+        t[key][5] = bad
+    _edit(path, key, poison)
+    with pytest.raises(layerwise.NonFiniteWeightError) as e:
+        layerwise.load_model(path, quantization=quantization)
+    assert e.value.key == key and key in str(e.value)
+
+
 def test_shard_listed_in_index_is_absent(ckpt):
     shard = _shard_of(ckpt, KEY)
     os.remove(ckpt / shard)
