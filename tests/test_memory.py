@@ -33,18 +33,45 @@ def test_tracker_ignores_memory_mapped_checkpoint_tensors(tmp_path):
     del w, sl, copy
 
 
-def test_peak_overhead_is_bounded_by_two_layers(qwen3_8_layers):
+def test_peak_overhead_is_about_one_layer(qwen3_8_layers):
     model, report = layerwise.load_model_with_report(qwen3_8_layers, quantization="fp8")
     assert report.num_layers >= 8
     assert report.model_bytes == tensor_bytes(model, torch.device("cpu"))
     # a decoder layer, not the embedding, is the largest load group in this checkpoint
     assert report.largest_layer_checkpoint_bytes > 256 * 128 * 2
     assert report.peak_bytes >= report.model_bytes
-    assert report.peak_bytes - report.model_bytes <= 2.0 * report.largest_layer_checkpoint_bytes
+    # measured 1.20: the BF16 module being quantized plus the reference kernel's float32 work buffer
+    # (up to 4 MiB, here the size of the module), above the final FP8 model
+    assert report.peak_bytes - report.model_bytes <= 1.25 * report.largest_layer_checkpoint_bytes
     # the FP8 model is much smaller than the BF16 checkpoint, so the peak is far below a full BF16 load
     assert report.peak_bytes < report.checkpoint_bytes
 
 
 def test_unquantized_load_peak_is_model_plus_at_most_one_layer(qwen3_8_layers):
     _, report = layerwise.load_model_with_report(qwen3_8_layers, quantization=None)
-    assert report.peak_bytes - report.model_bytes <= 1.0 * report.largest_layer_checkpoint_bytes
+    assert report.peak_bytes - report.model_bytes <= 64  # measured 16 bytes: no layer is ever held twice
+
+
+def _live_storage_bytes(refs) -> int:
+    return sum(nbytes for ref, nbytes in refs if not ref.expired())
+
+
+def test_deleted_model_releases_every_byte(qwen3_8_layers):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    import gc
+    import weakref
+
+    for reload in (False, True):
+        model = layerwise.load_model(qwen3_8_layers, quantization="fp8")
+        if reload:  # a reload session must not leave references behind either
+            layerwise.reload_weights(model, qwen3_8_layers)
+        tensors = list(model.parameters()) + list(model.buffers())
+        refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()) for t in tensors]
+        held = _live_storage_bytes(refs)
+        model_ref = weakref.ref(model)
+        assert held == tensor_bytes(model) > 0
+        del model, tensors
+        gc.collect()
+        assert model_ref() is None
+        assert _live_storage_bytes(refs) == 0, f"{_live_storage_bytes(refs)} of {held} bytes still reachable"

@@ -204,13 +204,14 @@ def test_kernel_format_reload_copies_fp8_directly(pair):
                                  is_checkpoint_format=False)
 
 
-def test_reload_peak_is_bounded_by_two_layers(qwen3_8_layers, tmp_path):
+def test_reload_peak_is_bounded_by_one_module_transient(qwen3_8_layers, tmp_path):
     b = write_hf_checkpoint(tmp_path / "b", "Qwen3ForCausalLM", seed=5, num_layers=8, hidden=128,
                             intermediate=384, vocab=256, max_shard_size="200KB")
     model, report = layerwise.load_model_with_report(qwen3_8_layers)
     with DeviceMemoryTracker("cpu") as tracker:  # counts only what the reload allocates
         layerwise.reload_weights(model, b)
-    assert tracker.peak_bytes <= 2.0 * report.largest_layer_checkpoint_bytes
+    # measured 1.75: the BF16 module, the float32 work buffer and the new FP8 values before the copy
+    assert tracker.peak_bytes <= 1.8 * report.largest_layer_checkpoint_bytes
     assert tracker.final_bytes == 0  # nothing left behind
 
 
@@ -227,18 +228,20 @@ def test_engine_output_after_reload_equals_fresh_engine(pair):
     assert after != before
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 def test_cuda_graph_survives_reload(pair):
     a, b = pair
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32, device="cuda")
-    engine.generate(prompts, 4)
-    graph = engine.graph
+    before = engine.generate(prompts, 6)
+    graph, snap = engine.graph, _snapshot(engine.model)
     engine.reload_weights(b)
+    _assert_in_place(engine.model, snap)
     after = engine.generate(prompts, 6)
     assert engine.graph is graph and engine.captures == 1
-    fresh = Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, device="cuda", )
-    assert after == fresh.generate(prompts, 6)
+    fresh = Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, device="cuda")
+    assert after == fresh.generate(prompts, 6) and after != before
 
 
 def test_engine_kv_cache_matches_full_recompute(pair):

@@ -62,7 +62,9 @@ def test_fused_per_tensor_scale_matches_unfused_within_fp8_error():
     fused_q, fused_scale = fp8_quantize_weight(torch.cat(shards))
     assert torch.equal(fused_scale, torch.cat(shards).abs().max() / 448)  # one amax over all shards
     fused_out = x @ fp8_dequantize(fused_q, fused_scale, torch.float32).t()
-    for (start, w) in zip((0, 256, 320), shards):
+    starts = (0, 256, 320)
+    assert len(starts) == len(shards)
+    for start, w in zip(starts, shards):
         ref = x @ w.t()
         unfused_out = x @ fp8_dequantize(*fp8_quantize_weight(w), torch.float32).t()
         fused_db = sqnr_db(ref, fused_out[:, start:start + w.shape[0]])
@@ -76,10 +78,16 @@ def test_fused_per_tensor_scale_matches_unfused_within_fp8_error():
                                                                         torch.float32)) - 3
 
 
-@pytest.mark.parametrize("scheme", ["fp8-per-channel", "fp8-per-block", *TORCHAO])
+# peak - model in units of the largest decoder layer's checkpoint bytes, as measured on this checkpoint
+# (fp8: the BF16 module plus a float32 work buffer; torchao quantizes in row chunks, and its Float8 figure
+# moves between 0.77 and 0.83 with what the process ran before)
+MEASURED_OVERHEAD = {"fp8-per-channel": 1.20, "fp8-per-block": 1.21, TORCHAO[0]: 0.83, TORCHAO[1]: 0.72}
+
+
+@pytest.mark.parametrize("scheme", list(MEASURED_OVERHEAD))
 def test_peak_bound_holds_for_every_scheme(qwen3_8_layers, scheme):
     _, report = layerwise.load_model_with_report(qwen3_8_layers, quantization=scheme)
-    assert report.peak_bytes - report.model_bytes <= 2.0 * report.largest_layer_checkpoint_bytes
+    assert report.overhead_per_layer <= MEASURED_OVERHEAD[scheme] + 0.05, report.overhead_per_layer
 
 
 def test_torchao_row_chunks_equal_whole_tensor_quantization():
@@ -108,6 +116,7 @@ def test_reload_in_place_for_every_scheme(tmp_path, scheme):
     for name, p in model.named_parameters():
         inner, inner_fresh = plain_tensors(p.data), plain_tensors(fresh[name].data)
         assert [t.data_ptr() for t in inner] == [ptr for _, ptr in before[name]], name
+        assert len(inner) == len(inner_fresh), name
         for t, f in zip(inner, inner_fresh):
             assert torch.equal(t.reshape(-1).view(torch.uint8), f.reshape(-1).view(torch.uint8)), name
 
@@ -124,3 +133,29 @@ def test_cli_accepts_scheme_names(hf_checkpoint, tmp_path, scheme):
 def test_unknown_torchao_config_is_a_clear_error(hf_checkpoint):
     with pytest.raises(ValueError, match="Float8WeightOnlyConfig"):
         layerwise.load_model(hf_checkpoint[1], quantization="torchao:NoSuchConfig")
+
+
+def test_w8a8_with_an_activation_dtype_scaled_mm_refuses_falls_back_with_one_warning(qwen3_8_layers, caplog,
+                                                                                    monkeypatch):
+    import logging
+
+    import quant.fp8
+
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
+    w8a16 = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16,
+                                 fp8_mode="w8a16")
+    model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16,
+                                 fp8_mode="w8a8")
+    with torch.no_grad():
+        w8a8 = model(ids)  # CPU's _scaled_mm takes fp16: W8A8 runs, and differs from W8A16
+    assert w8a8.dtype == torch.float16 and not torch.equal(w8a8, w8a16(ids))
+    # as on CUDA, where row-wise _scaled_mm writes bf16 only
+    monkeypatch.setattr(quant.fp8, "scaled_mm_out_dtypes", lambda granularity, device: (torch.bfloat16,))
+    monkeypatch.setattr(quant.fp8, "_WARNED", set())
+    model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16,
+                                 fp8_mode="w8a8")
+    with caplog.at_level(logging.WARNING, logger="quant.fp8"), torch.no_grad():
+        out = model(ids)
+        model(ids)
+    assert torch.equal(out, w8a16(ids))
+    assert sum("W8A16" in r.getMessage() for r in caplog.records) == 1
