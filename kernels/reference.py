@@ -115,7 +115,7 @@ def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
         amax_value: float32 tensor of any shape, finite, >= 0.
     Returns:
         float32 tensor of the same shape: amax / 448; 1.0 where amax == 0 (an all-zero group);
-        never below ``torch.finfo(float32).tiny`` so that 1 / scale stays finite.
+        never below ``torch.finfo(float32).tiny``, so w / scale never divides by zero or a subnormal.
     Raises:
         NonFiniteError: when any amax is NaN or Inf.
     """
