@@ -21,7 +21,7 @@ quantizes inside from_pretrained, so the mmap views it drops along the way are n
 CPU figure is a lower bound too. The one-time process warm-up (imports, Inductor's compile of the fused
 CPU quantize, the tracker's first dispatch) is done before the timed load and reported separately.
 
-    python -m benchmarks.peak_memory [--size default|small] [--device cpu|cuda] [--name NAME]
+    python -m layerwise.benchmarks.peak_memory [--size default|small] [--device cpu|cuda] [--name NAME]
     layerwise bench ...   (the same)
 """
 
@@ -82,7 +82,7 @@ def _load(method: str, path: str, device: torch.device, tracker=None):
         from layerwise.checkpoint import Checkpoint
         from layerwise.config import ModelConfig
         from layerwise.registry import get_model_class
-        from quant.config import QuantConfig
+        from layerwise.quant.config import QuantConfig
 
         ckpt = Checkpoint(path)
         config = ModelConfig.from_dict(ckpt.config)
@@ -144,7 +144,7 @@ def worker(method: str, path: str, device: str) -> dict:
     with DeviceMemoryTracker(device):  # warm-up: the tracker's first dispatch imports torch._dynamo
         torch.empty(1, device=device) + 1
     if method == "layerwise-fp8-per-tensor" and device.type == "cpu":
-        from kernels import cpu_fused, fp8_quantize_weight
+        from layerwise.kernels import cpu_fused, fp8_quantize_weight
 
         w = torch.ones(cpu_fused.FUSED_MIN_NUMEL, dtype=torch.bfloat16)
         fp8_quantize_weight(w)  # compiles the fused CPU quantize (Inductor cache) before timing
@@ -190,7 +190,7 @@ def run(size: str, device: str, methods: list[str], cache: Path) -> dict:
     largest = max(ckpt.group_bytes().values())
     rows = []
     for method in methods:
-        cmd = [sys.executable, "-m", "benchmarks.peak_memory", "worker", method, str(path), "--device", device]
+        cmd = [sys.executable, "-m", "layerwise.benchmarks.peak_memory", "worker", method, str(path), "--device", device]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         if proc.returncode != 0:
             reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]

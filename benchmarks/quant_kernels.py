@@ -5,7 +5,7 @@ for ``clone`` alike, measured in the same run; ``ratio_to_clone`` = quantize GB/
 On CUDA the JSON also gives the fraction of the device's peak memory bandwidth, counting the bytes
 actually moved (quantize: read twice, write fp8 once; clone: read and write once).
 
-    python -m benchmarks.quant_kernels [--device cpu|cuda] [--shapes 8192x8192,1024x2816] [--out FILE]
+    python -m layerwise.benchmarks.quant_kernels [--device cpu|cuda] [--shapes 8192x8192,1024x2816] [--out FILE]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import platform
 
 import torch
 
-from benchmarks.timing import best_of
-from kernels import GRANULARITIES, fp8_quantize_weight, resolve_kernel
+from layerwise.benchmarks.timing import best_of
+from layerwise.kernels import GRANULARITIES, fp8_quantize_weight, resolve_kernel
 
 # HBM bandwidth in GB/s by device name fragment (vendor data sheets)
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "RTX 4090": 1008.0}

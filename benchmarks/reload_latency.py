@@ -4,7 +4,7 @@ into a live FP8 model and a live BF16 model, against the floor of copying the sa
 floor: ``dst.copy_(src)`` of every checkpoint tensor into preallocated BF16 tensors of the same
 shapes (the least any in-place reload must do). Each figure is the best of ``--repeats`` runs.
 
-    python -m benchmarks.reload_latency [--size default|small] [--device cpu|cuda]
+    python -m layerwise.benchmarks.reload_latency [--size default|small] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 import layerwise
-from benchmarks.peak_memory import RESULTS, SIZES, _machine, make_checkpoint
-from benchmarks.timing import best_of
+from layerwise.benchmarks.peak_memory import RESULTS, SIZES, _machine, make_checkpoint
+from layerwise.benchmarks.timing import best_of
 from layerwise.checkpoint import Checkpoint
 
 

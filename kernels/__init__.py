@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_fused, reference
-from kernels.reference import (BLOCK_SIZE, FP8_DTYPE, FP8_E4M3_MAX, GRANULARITIES, NonFiniteError, scale_from_amax,
+from layerwise.kernels import cpu_fused, reference
+from layerwise.kernels.reference import (BLOCK_SIZE, FP8_DTYPE, FP8_E4M3_MAX, GRANULARITIES, NonFiniteError, scale_from_amax,
                                scale_layout, scale_shape)
-from kernels.triton_common import HAS_TRITON
+from layerwise.kernels.triton_common import HAS_TRITON
 
 KERNELS = ("torch", "triton")
 
@@ -31,7 +31,7 @@ def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
 def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch") -> torch.Tensor:
     """max(|w|) per group as float32 of :func:`scale_shape` (non-finite where w is)."""
     if kernel == "triton":
-        from kernels.ops import fp8_amax_triton
+        from layerwise.kernels.ops import fp8_amax_triton
 
         return fp8_amax_triton(w, granularity)
     return reference.amax(w, granularity)
@@ -40,7 +40,7 @@ def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch"
 def fp8_quantize(w: torch.Tensor, scale: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
     """Quantize ``w`` with ``scale`` (layout read off its shape) to float8_e4m3fn of w's shape."""
     if kernel == "triton":
-        from kernels.ops import fp8_quantize_triton
+        from layerwise.kernels.ops import fp8_quantize_triton
 
         return fp8_quantize_triton(w, scale)
     if cpu_fused.use_fused(w, scale_layout(w, scale)):
@@ -51,7 +51,7 @@ def fp8_quantize(w: torch.Tensor, scale: torch.Tensor, kernel: str = "torch") ->
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernel: str = "torch") -> torch.Tensor:
     """float32(q) * scale cast to ``dtype``; shape of q."""
     if kernel == "triton":
-        from kernels.ops import fp8_dequantize_triton
+        from layerwise.kernels.ops import fp8_dequantize_triton
 
         return fp8_dequantize_triton(q, scale, dtype)
     return reference.dequantize(q, scale, dtype)

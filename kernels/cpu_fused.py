@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from kernels.reference import FP8_DTYPE, FP8_E4M3_MAX
+from layerwise.kernels.reference import FP8_DTYPE, FP8_E4M3_MAX
 
 FUSED_MIN_NUMEL = 1 << 20  # 1M elements: measured faster than 4M on a 24-layer load here
 

@@ -13,8 +13,8 @@ kernels run on sm_80 and newer, and under the interpreter on CPU.
 
 import torch
 
-from kernels.reference import BLOCK_SIZE, FP8_DTYPE, GRANULARITIES, scale_layout, scale_shape
-from kernels.triton_common import (abs_nan_to_inf, as_kernel_input, as_matrix, check_input, e4m3_bits, e4m3_value,
+from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, GRANULARITIES, scale_layout, scale_shape
+from layerwise.kernels.triton_common import (abs_nan_to_inf, as_kernel_input, as_matrix, check_input, e4m3_bits, e4m3_value,
                                    grid_1d, helper, launch, load_f32, max_all, tile, tile_index, tl, triton)
 
 SCALE_MODES = {"tensor": 0, "channel": 1, "block": 2}

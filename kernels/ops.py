@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_tiles import amax_triton, dequantize_triton, quantize_triton
-from kernels.reference import FP8_DTYPE, scale_shape
+from layerwise.kernels.fp8_tiles import amax_triton, dequantize_triton, quantize_triton
+from layerwise.kernels.reference import FP8_DTYPE, scale_shape
 
 
 @torch.library.custom_op("layerwise::fp8_amax_triton", mutates_args=())

@@ -14,9 +14,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from kernels.fp8_tiles import SCALE_MODES, _amax_kernel, _dequantize_kernel, _quantize_kernel
-from kernels.reference import BLOCK_SIZE
-from kernels.triton_common import TILE_CUDA
+from layerwise.kernels.fp8_tiles import SCALE_MODES, _amax_kernel, _dequantize_kernel, _quantize_kernel
+from layerwise.kernels.reference import BLOCK_SIZE
+from layerwise.kernels.triton_common import TILE_CUDA
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # pointer type a tensor of each dtype is passed as (bf16 travels as int16 bits: see triton_common)

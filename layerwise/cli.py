@@ -7,7 +7,7 @@ import json
 import sys
 
 from layerwise.loader import LoadReport, load_model_with_report
-from quant.config import check_quantization
+from layerwise.quant.config import check_quantization
 
 
 def _quantization(name: str) -> str:
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark owns its arguments
-        from benchmarks.peak_memory import main as bench_main
+        from layerwise.benchmarks.peak_memory import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from quant.parameters import WeightShapeError as _LoaderShapeError
+from layerwise.quant.parameters import WeightShapeError as _LoaderShapeError
 
 
 class LayerwiseError(Exception):

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from kernels import resolve_kernel
+from layerwise.kernels import resolve_kernel
 from layerwise.checkpoint import Checkpoint, group_name
 from layerwise.config import ModelConfig
 from layerwise.errors import LayerwiseError, WeightShapeError
@@ -20,8 +20,8 @@ from layerwise.registry import get_model_class
 from layerwise.reload import (finalize_layerwise_reload, initialize_layerwise_reload,
                               record_metadata_for_reloading)
 from layerwise.reload.layerwise import abort_layerwise_reload
-from quant.config import QuantConfig
-from quant.parameters import WeightShapeError as _LoaderShapeError
+from layerwise.quant.config import QuantConfig
+from layerwise.quant.parameters import WeightShapeError as _LoaderShapeError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}

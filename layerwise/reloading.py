@@ -18,7 +18,7 @@ from typing import Iterable, Union
 import torch
 from torch import nn
 
-from kernels.reference import amax
+from layerwise.kernels.reference import amax
 from layerwise.checkpoint import Checkpoint
 from layerwise.config import ModelConfig
 from layerwise.errors import LayerwiseError, NonFiniteWeightError, ReloadError, UnexpectedWeightError, WeightShapeError

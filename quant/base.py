@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import NonFiniteError
-from kernels.reference import amax
-from quant.parameters import ModelWeightParameter, WeightLoader
+from layerwise.kernels import NonFiniteError
+from layerwise.kernels.reference import amax
+from layerwise.quant.parameters import ModelWeightParameter, WeightLoader
 
 
 def check_finite(layer: nn.Module, skip: Sequence[str] = ()) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quant.base import QuantMethod, UnquantizedLinearMethod
-from quant.fp8 import Fp8LinearMethod
+from layerwise.quant.base import QuantMethod, UnquantizedLinearMethod
+from layerwise.quant.fp8 import Fp8LinearMethod
 
 FP8_SCHEMES = {"fp8": "tensor", "fp8-per-tensor": "tensor", "fp8-per-channel": "channel", "fp8-per-block": "block"}
 QUANTIZATIONS = (*FP8_SCHEMES, "none", "torchao:<ConfigName>")
@@ -39,7 +39,7 @@ class QuantConfig:
     def __post_init__(self):
         check_quantization(self.quantization)
         if self.quantization.startswith("torchao:"):
-            from quant.torchao import torchao_config
+            from layerwise.quant.torchao import torchao_config
 
             torchao_config(self.quantization.split(":", 1)[1])  # fail early on a bad name
 
@@ -55,7 +55,7 @@ class QuantConfig:
         if self.quantization in FP8_SCHEMES:
             return Fp8LinearMethod(FP8_SCHEMES[self.quantization], self.kernel, self.fp8_mode)
         if self.quantization.startswith("torchao:"):
-            from quant.torchao import TorchaoLinearMethod
+            from layerwise.quant.torchao import TorchaoLinearMethod
 
             return TorchaoLinearMethod(self.quantization.split(":", 1)[1])
         return UnquantizedLinearMethod()

@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import FP8_DTYPE, FP8_E4M3_MAX, fp8_dequantize, fp8_quantize_weight
-from kernels.reference import amax, quantize
-from quant.base import QuantMethod, check_finite
+from layerwise.kernels import FP8_DTYPE, FP8_E4M3_MAX, fp8_dequantize, fp8_quantize_weight
+from layerwise.kernels.reference import amax, quantize
+from layerwise.quant.base import QuantMethod, check_finite
 
 logger = logging.getLogger(__name__)
 FP8_MODES = ("auto", "w8a8", "w8a16")

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import CHUNK_NUMEL
-from quant.base import QuantMethod, check_finite
+from layerwise.kernels.reference import CHUNK_NUMEL
+from layerwise.quant.base import QuantMethod, check_finite
 
 
 def torchao_config(name: str):
@@ -57,7 +57,11 @@ class TorchaoLinearMethod(QuantMethod):
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         linear.weight = nn.Parameter(weight, requires_grad=False)
         quantize_(linear, self.config)
-        return linear.weight.data
+        quantized = linear.weight.data
+        # quantize_ leaves the module in a reference cycle (a bound method in a partial), which would
+        # keep both the BF16 input and the result alive until the next garbage collection
+        linear._parameters.clear()
+        return quantized
 
     def quantize_rows(self, weight: torch.Tensor) -> torch.Tensor:
         """Quantize a [N, K] weight in row chunks (at most N / 8 rows and CHUNK_NUMEL / 4 elements).

@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks import peak_memory, quant_kernels, reload_latency
+from layerwise.benchmarks import peak_memory, quant_kernels, reload_latency
 
 
 def test_peak_memory_small_writes_json_and_png(tmp_path):

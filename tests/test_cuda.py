@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import layerwise
-from kernels import GRANULARITIES, fp8_dequantize, fp8_quantize_weight
-from kernels.fp8_tiles import quantize_triton
+from layerwise.kernels import GRANULARITIES, fp8_dequantize, fp8_quantize_weight
+from layerwise.kernels.fp8_tiles import quantize_triton
 from tests.hf_checkpoints import hf_logits, sqnr_db
 
 pytestmark = [pytest.mark.gpu,
@@ -102,14 +102,14 @@ def test_deleted_model_returns_cuda_memory(hf_checkpoint):
 
 
 def test_fp16_per_channel_w8a8_falls_back_with_one_warning(hf_checkpoint, caplog, monkeypatch):
-    import quant.fp8
+    import layerwise.quant.fp8 as quant_fp8
 
-    monkeypatch.setattr(quant.fp8, "_WARNED", set())
+    monkeypatch.setattr(quant_fp8, "_WARNED", set())
     path = hf_checkpoint[1]
     model = layerwise.load_model(path, quantization="fp8-per-channel", device="cuda", dtype=torch.float16,
                                  fp8_mode="w8a8")
     ids = torch.randint(0, 128, (1, 8), device="cuda")
-    with caplog.at_level(logging.WARNING, logger="quant.fp8"):
+    with caplog.at_level(logging.WARNING, logger="layerwise.quant.fp8"):
         with torch.no_grad():
             out = model(ids)
             model(ids)

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-import kernels
-from kernels import (GRANULARITIES, NonFiniteError, fp8_amax, fp8_dequantize, fp8_quantize, fp8_quantize_weight,
+from layerwise import kernels
+from layerwise.kernels import (GRANULARITIES, NonFiniteError, fp8_amax, fp8_dequantize, fp8_quantize, fp8_quantize_weight,
                      scale_from_amax, scale_shape)
-from kernels import cpu_fused, reference
-from kernels.fp8_tiles import quantize_triton
-from kernels.fp8_tiles import amax_triton
+from layerwise.kernels import cpu_fused, reference
+from layerwise.kernels.fp8_tiles import quantize_triton
+from layerwise.kernels.fp8_tiles import amax_triton
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SHAPES = [(1, 1), (7, 13), (257, 4099), (300, 200)]  # none a multiple of the 128 x 128 block but 1x1
@@ -126,7 +126,7 @@ def test_input_is_not_modified(kernel, granularity):
 
 
 def test_custom_ops_trace_under_torch_compile():
-    from kernels import ops
+    from layerwise.kernels import ops
 
     w = torch.randn(40, 50)
 
@@ -160,7 +160,7 @@ def test_per_tensor_of_any_rank(shape):
 
 
 def test_launch_grid_is_one_axis_for_real_model_sizes():
-    from kernels.triton_common import MAX_PROGRAMS, TILE_CUDA, as_matrix, grid_1d
+    from layerwise.kernels.triton_common import MAX_PROGRAMS, TILE_CUDA, as_matrix, grid_1d
 
     # a 131072 x 16384 embedding (2^31 elements; 128256 x 16384 is just under): the old 2-D grid put
     # 64 column tiles on axis 1, and a flat per-tensor layout put numel / 256 > 65535 programs there

@@ -14,8 +14,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.triton_common import LAUNCH_OPTIONS  # noqa: E402
-from kernels.variants import CUDA_TARGETS, cuda_variants  # noqa: E402
+from layerwise.kernels.triton_common import LAUNCH_OPTIONS  # noqa: E402
+from layerwise.kernels.variants import CUDA_TARGETS, cuda_variants  # noqa: E402
 
 VARIANTS = list(cuda_variants("i32")) + list(cuda_variants("i64"))
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from quant.parameters import ModelWeightParameter, WeightShapeError, default_weight_loader
+from layerwise.quant.parameters import ModelWeightParameter, WeightShapeError, default_weight_loader
 
 
 def _param(shape, output_dim=None, input_dim=None):

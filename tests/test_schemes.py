@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import layerwise
-from kernels import fp8_dequantize, fp8_quantize_weight
+from layerwise.kernels import fp8_dequantize, fp8_quantize_weight
 from layerwise.checkpoint import Checkpoint
 from layerwise.cli import main
 from tests.hf_checkpoints import hf_logits, sqnr_db, write_hf_checkpoint
@@ -79,19 +79,26 @@ def test_fused_per_tensor_scale_matches_unfused_within_fp8_error():
 
 
 # peak - model in units of the largest decoder layer's checkpoint bytes, as measured on this checkpoint
-# (fp8: the BF16 module plus a float32 work buffer; torchao quantizes in row chunks, and its Float8 figure
-# moves between 0.77 and 0.83 with what the process ran before)
-MEASURED_OVERHEAD = {"fp8-per-channel": 1.20, "fp8-per-block": 1.21, TORCHAO[0]: 0.83, TORCHAO[1]: 0.72}
+# (fp8: the BF16 module plus a float32 work buffer; torchao quantizes in row chunks). The load makes no
+# reference cycles, so the figure does not depend on when the garbage collector runs (checked with it off).
+MEASURED_OVERHEAD = {"fp8-per-channel": 1.20, "fp8-per-block": 1.21, TORCHAO[0]: 0.64, TORCHAO[1]: 0.49}
 
 
 @pytest.mark.parametrize("scheme", list(MEASURED_OVERHEAD))
 def test_peak_bound_holds_for_every_scheme(qwen3_8_layers, scheme):
-    _, report = layerwise.load_model_with_report(qwen3_8_layers, quantization=scheme)
-    assert report.overhead_per_layer <= MEASURED_OVERHEAD[scheme] + 0.05, report.overhead_per_layer
+    import gc
+
+    gc.collect()
+    gc.disable()  # memory held by reference cycles would count until the end
+    try:
+        _, report = layerwise.load_model_with_report(qwen3_8_layers, quantization=scheme)
+    finally:
+        gc.enable()
+    assert report.overhead_per_layer <= MEASURED_OVERHEAD[scheme] + 0.02, report.overhead_per_layer
 
 
 def test_torchao_row_chunks_equal_whole_tensor_quantization():
-    from quant.torchao import TorchaoLinearMethod
+    from layerwise.quant.torchao import TorchaoLinearMethod
 
     w = torch.randn(3000, 700).bfloat16()
     for name in ("Float8WeightOnlyConfig", "Int8WeightOnlyConfig"):
@@ -139,7 +146,7 @@ def test_w8a8_with_an_activation_dtype_scaled_mm_refuses_falls_back_with_one_war
                                                                                     monkeypatch):
     import logging
 
-    import quant.fp8
+    import layerwise.quant.fp8 as quant_fp8
 
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
     w8a16 = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16,
@@ -150,11 +157,11 @@ def test_w8a8_with_an_activation_dtype_scaled_mm_refuses_falls_back_with_one_war
         w8a8 = model(ids)  # CPU's _scaled_mm takes fp16: W8A8 runs, and differs from W8A16
     assert w8a8.dtype == torch.float16 and not torch.equal(w8a8, w8a16(ids))
     # as on CUDA, where row-wise _scaled_mm writes bf16 only
-    monkeypatch.setattr(quant.fp8, "scaled_mm_out_dtypes", lambda granularity, device: (torch.bfloat16,))
-    monkeypatch.setattr(quant.fp8, "_WARNED", set())
+    monkeypatch.setattr(quant_fp8, "scaled_mm_out_dtypes", lambda granularity, device: (torch.bfloat16,))
+    monkeypatch.setattr(quant_fp8, "_WARNED", set())
     model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16,
                                  fp8_mode="w8a8")
-    with caplog.at_level(logging.WARNING, logger="quant.fp8"), torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="layerwise.quant.fp8"), torch.no_grad():
         out = model(ids)
         model(ids)
     assert torch.equal(out, w8a16(ids))

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerwise.distributed import get_tp_rank, get_tp_size
-from quant.parameters import ModelWeightParameter
+from layerwise.quant.parameters import ModelWeightParameter
 
 
 class VocabParallelEmbedding(nn.Module):

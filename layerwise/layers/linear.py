@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from layerwise.distributed import get_tp_rank, get_tp_size
-from quant.base import QuantMethod
-from quant.parameters import ModelWeightParameter
+from layerwise.quant.base import QuantMethod
+from layerwise.quant.parameters import ModelWeightParameter
 
 
 class LinearBase(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quant.parameters import ModelWeightParameter, default_weight_loader
+from layerwise.quant.parameters import ModelWeightParameter, default_weight_loader
 
 
 class RMSNorm(nn.Module):

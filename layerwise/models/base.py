@@ -9,7 +9,7 @@ from torch import nn
 
 from layerwise.config import ModelConfig
 from layerwise.loading import load_weights
-from quant.config import QuantConfig
+from layerwise.quant.config import QuantConfig
 
 
 class CausalLM(nn.Module):

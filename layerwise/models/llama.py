@@ -20,7 +20,7 @@ from layerwise.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from layerwise.layers.norm import RMSNorm
 from layerwise.layers.rotary import RotaryEmbedding
 from layerwise.models.base import CausalLM
-from quant.config import QuantConfig
+from layerwise.quant.config import QuantConfig
 
 
 class LlamaMLP(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from layerwise.config import ModelConfig
 from layerwise.layers.norm import RMSNorm
 from layerwise.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from quant.config import QuantConfig
+from layerwise.quant.config import QuantConfig
 
 
 class Qwen3Attention(LlamaAttention):

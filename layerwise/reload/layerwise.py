@@ -24,15 +24,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from kernels import NonFiniteError
-from kernels.reference import amax
+from layerwise.kernels import NonFiniteError
+from layerwise.kernels.reference import amax
 from layerwise.errors import (DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError,
                               ReloadError)
 from layerwise.reload.counting import record_loader_writes, written_numel
 from layerwise.reload.meta import layer_tensors, materialize_layer, restore_layer_on_meta, set_layer_tensors
 from layerwise.reload.types import BufferedLoad, LayerReloadingInfo, ReloadSession, coverage
-from quant.base import check_finite
-from quant.parameters import ModelWeightParameter
+from layerwise.quant.base import check_finite
+from layerwise.quant.parameters import ModelWeightParameter
 
 # The state lives on the modules themselves, never in a module-level registry: an info holds its
 # layer's bound weight loaders, so a registry keyed by the layer (even a WeakKeyDictionary) would
