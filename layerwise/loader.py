@@ -19,7 +19,7 @@ from layerwise.memory import DeviceMemoryTracker, tensor_bytes
 from layerwise.registry import get_model_class
 from layerwise.reload import (finalize_layerwise_reload, initialize_layerwise_reload,
                               record_metadata_for_reloading)
-from layerwise.reload.layerwise import abort_layerwise_reload
+from layerwise.reload.session import abort_layerwise_reload
 from layerwise.quant.config import QuantConfig
 from layerwise.quant.parameters import WeightShapeError as _LoaderShapeError
 

@@ -23,7 +23,7 @@ from layerwise.checkpoint import Checkpoint
 from layerwise.config import ModelConfig
 from layerwise.errors import LayerwiseError, NonFiniteWeightError, ReloadError, UnexpectedWeightError, WeightShapeError
 from layerwise.loader import stream_weights
-from layerwise.reload.layerwise import (abort_layerwise_reload, finalize_layerwise_reload,
+from layerwise.reload.session import (abort_layerwise_reload, finalize_layerwise_reload,
                                         initialize_layerwise_reload)
 
 Weights = Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]

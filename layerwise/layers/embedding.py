@@ -13,7 +13,7 @@ from layerwise.quant.parameters import ModelWeightParameter
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [vocab / tp_size, hidden] in ``params_dtype`` (never quantized)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_embeddings = num_embeddings

@@ -1,6 +1,6 @@
 """Linear layers with tensor-parallel-ready weight loaders, and fused layers that own their fusion.
 
-Naming and sharding follow vLLM: ``ColumnParallelLinear`` splits the output dimension across ranks,
+Naming and sharding follow vLLM: column-parallel layers split the output dimension across ranks,
 ``RowParallelLinear`` the input dimension; ``MergedColumnParallelLinear`` (gate_up_proj) and
 ``QKVParallelLinear`` (qkv_proj) concatenate several checkpoint tensors along the output dimension and
 declare which checkpoint names they absorb in ``checkpoint_shards`` (checkpoint module name ->
@@ -11,7 +11,8 @@ With tp_size == 1 (the only size wired up so far) the narrowing is the identity.
 
 from __future__ import annotations
 
-from typing import Sequence
+from types import MappingProxyType
+from typing import Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -31,9 +32,10 @@ class LinearBase(nn.Module):
         params_dtype: checkpoint-format dtype of weight and bias.
     """
 
-    checkpoint_shards: dict = {}
+    #: checkpoint module names this layer absorbs -> shard_id (empty: the layer's own name only)
+    checkpoint_shards: Mapping[str, Hashable] = MappingProxyType({})
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, quant_method: QuantMethod,
+    def __init__(self, input_size: int, output_sizes: Sequence[int], *, bias: bool, quant_method: QuantMethod,
                  params_dtype: torch.dtype):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -57,39 +59,30 @@ class LinearBase(nn.Module):
         return f"in={self.input_size}, out={self.output_sizes}, method={self.quant_method.name}"
 
 
-class ColumnParallelLinear(LinearBase):
-    """Output dimension split across ranks; each rank holds output_size / tp_size rows."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool, quant_method: QuantMethod,
-                 params_dtype: torch.dtype):
-        super().__init__(input_size, [output_size // get_tp_size()], bias, quant_method, params_dtype)
-
-    def weight_loader(self, param, loaded_weight, shard_id=None):
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} takes no shard_id, got {shard_id!r}")
-        param.load_shard(loaded_weight, tp_rank=self.tp_rank, tp_size=self.tp_size)
-
-
 class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel checkpoint tensors concatenated along the output dimension.
 
     Args:
         output_sizes: full (unsharded) output size of each shard, e.g. [intermediate, intermediate].
-        shard_names: checkpoint module name of each shard, e.g. ("gate_proj", "up_proj"); shard_id is
-            the index into this tuple.
+        checkpoint_shards: checkpoint module name -> shard_id, in output order, e.g.
+            {"gate_proj": 0, "up_proj": 1}. A checkpoint that already stores the fused tensor under
+            this layer's own name (Phi-3's gate_up_proj) loads it whole (shard_id None).
     """
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], shard_names: Sequence[str], bias: bool,
-                 quant_method: QuantMethod, params_dtype: torch.dtype):
-        if len(output_sizes) != len(shard_names):
-            raise ValueError("output_sizes and shard_names differ in length")
+    def __init__(self, input_size: int, output_sizes: Sequence[int], *, checkpoint_shards: Mapping[str, Hashable],
+                 bias: bool, quant_method: QuantMethod, params_dtype: torch.dtype):
+        if len(output_sizes) != len(checkpoint_shards):
+            raise ValueError(f"{len(output_sizes)} output sizes for {len(checkpoint_shards)} checkpoint shards")
         tp = get_tp_size()
-        super().__init__(input_size, [s // tp for s in output_sizes], bias, quant_method, params_dtype)
-        self.checkpoint_shards = {name: i for i, name in enumerate(shard_names)}
+        super().__init__(input_size, [s // tp for s in output_sizes], bias=bias, quant_method=quant_method,
+                         params_dtype=params_dtype)
+        self.checkpoint_shards = MappingProxyType(dict(checkpoint_shards))
+        self._shard_index = {shard_id: i for i, shard_id in enumerate(self.checkpoint_shards.values())}
 
-    def shard_offset_size(self, shard_id) -> tuple[int, int]:
+    def shard_offset_size(self, shard_id: Hashable) -> tuple[int, int]:
         """(offset, size) of shard ``shard_id`` along the output dimension of this rank's weight."""
-        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+        i = self._shard_index[shard_id]
+        return sum(self.output_sizes[:i]), self.output_sizes[i]
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         if shard_id is None:  # an already-fused checkpoint tensor
@@ -105,22 +98,20 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     Output layout per rank: [num_heads * head_dim | num_kv_heads * head_dim | num_kv_heads * head_dim].
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool,
                  quant_method: QuantMethod, params_dtype: torch.dtype):
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         ("q_proj", "k_proj", "v_proj"), bias, quant_method, params_dtype)
-        self.checkpoint_shards = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
-
-    def shard_offset_size(self, shard_id) -> tuple[int, int]:
-        return super().shard_offset_size({"q": 0, "k": 1, "v": 2}[shard_id])
+                         checkpoint_shards={"q_proj": "q", "k_proj": "k", "v_proj": "v"}, bias=bias,
+                         quant_method=quant_method, params_dtype=params_dtype)
 
 
 class RowParallelLinear(LinearBase):
     """Input dimension split across ranks (the partial sums are all-reduced once TP lands)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, quant_method: QuantMethod,
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, quant_method: QuantMethod,
                  params_dtype: torch.dtype):
-        super().__init__(input_size // get_tp_size(), [output_size], bias, quant_method, params_dtype)
+        super().__init__(input_size // get_tp_size(), [output_size], bias=bias, quant_method=quant_method,
+                         params_dtype=params_dtype)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         if shard_id is not None:

@@ -11,7 +11,7 @@ from layerwise.quant.parameters import ModelWeightParameter, default_weight_load
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)); x [..., hidden] in any float dtype -> same dtype."""
 
-    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype):
+    def __init__(self, hidden_size: int, eps: float, *, params_dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = ModelWeightParameter(torch.empty(hidden_size, dtype=params_dtype), default_weight_loader)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from layerwise.config import ModelConfig
-from layerwise.loading import load_weights
+from layerwise.routing import load_weights
 from layerwise.quant.config import QuantConfig
 
 
@@ -38,7 +38,7 @@ class CausalLM(nn.Module):
         return self.config.tie_word_embeddings and key.startswith("lm_head.")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Route (checkpoint key, tensor) pairs to the parameters' weight loaders (see loading.py)."""
+        """Route (checkpoint key, tensor) pairs to the parameters' weight loaders (see layerwise/routing.py)."""
         return load_weights(self, weights, skip=self.skip_checkpoint_key)
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,

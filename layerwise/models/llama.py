@@ -29,10 +29,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, ("gate_proj", "up_proj"), False,
-            quant_config.get_linear_method(f"{prefix}.gate_up_proj"), dtype)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False,
-                                           quant_config.get_linear_method(f"{prefix}.down_proj"), dtype)
+            config.hidden_size, [config.intermediate_size] * 2, checkpoint_shards={"gate_proj": 0, "up_proj": 1},
+            bias=False, quant_method=quant_config.get_linear_method(f"{prefix}.gate_up_proj"), params_dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=False,
+            quant_method=quant_config.get_linear_method(f"{prefix}.down_proj"), params_dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -53,12 +54,13 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = max(1, config.num_key_value_heads // tp)
         self.scale = self.head_dim ** -0.5
         bias = config.attention_bias if self.qkv_bias is None else self.qkv_bias
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias,
-                                          quant_config.get_linear_method(f"{prefix}.qkv_proj"), dtype)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        config.attention_bias and self.qkv_bias is None,
-                                        quant_config.get_linear_method(f"{prefix}.o_proj"), dtype)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=bias,
+            quant_method=quant_config.get_linear_method(f"{prefix}.qkv_proj"), params_dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size,
+            bias=config.attention_bias and self.qkv_bias is None,
+            quant_method=quant_config.get_linear_method(f"{prefix}.o_proj"), params_dtype=dtype)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling, device)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
@@ -85,9 +87,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
                  device: torch.device, prefix: str):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.self_attn = self.attention_cls(config, quant_config, dtype, device, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.mlp = LlamaMLP(config, quant_config, dtype, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[tuple] = None) -> torch.Tensor:
@@ -101,10 +103,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
                  device: torch.device, layer_cls=LlamaDecoderLayer):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype)
         self.layers = nn.ModuleList(layer_cls(config, quant_config, dtype, device, f"model.layers.{i}")
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Optional[list] = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -125,4 +127,4 @@ class LlamaForCausalLM(CausalLM):
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=params_dtype)

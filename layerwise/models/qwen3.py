@@ -16,8 +16,8 @@ class Qwen3Attention(LlamaAttention):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
                  device: torch.device, prefix: str):
         super().__init__(config, quant_config, dtype, device, prefix)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         return self.q_norm(q), self.k_norm(k)

@@ -1,6 +1,6 @@
 """Layerwise load and reload machinery, named as in vLLM's model_loader/reload package."""
 
-from layerwise.reload.layerwise import (
+from layerwise.reload.session import (
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,

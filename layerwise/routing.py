@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from layerwise.errors import DuplicateWeightError, UnexpectedWeightError
-from layerwise.reload.layerwise import get_layerwise_info
+from layerwise.reload.session import get_layerwise_info
 
 
 def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_id=None) -> None:
