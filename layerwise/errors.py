@@ -68,3 +68,8 @@ class ReloadError(LayerwiseError):
         self.updated_layers = list(updated_layers)
         #: the underlying error (UnexpectedWeightError, WeightShapeError, ...), when there is one
         self.cause: Optional[LayerwiseError] = None
+
+
+class MissingDependencyError(LayerwiseError, ImportError):
+    """An optional dependency is not installed; the message gives the exact ``pip install`` line
+    (see :func:`layerwise.optional.import_optional`)."""
