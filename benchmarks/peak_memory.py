@@ -12,17 +12,21 @@ tracker that ignores memory-mapped checkpoint pages). Methods:
   floor-read-copy           read every checkpoint tensor and copy it to the device, no quantization
 
 Per method: peak bytes, final model bytes, peak / final, (peak - final) / largest layer, wall
-seconds and seconds / floor (timed in a second, untracked load). On CPU, a method that keeps memory-mapped checkpoint tensors as
-parameters (transformers does, for embeddings, lm_head and norms) is charged their bytes on top of
-its tracked peak (``untracked_final_bytes``): on a GPU they would be device memory too. For
-hf+torchao-quantize_ the device-equivalent bytes are also sampled when from_pretrained returns
-(the whole BF16 model held, as mmap views on CPU), a lower bound of its GPU peak. hf-TorchAoConfig
-quantizes inside from_pretrained, so the mmap views it drops along the way are not counted: its
-CPU figure is a lower bound too. The one-time process warm-up (imports, Inductor's compile of the fused
-CPU quantize, the tracker's first dispatch) is done before the timed load and reported separately.
+seconds and seconds / floor (timed in a second, untracked load). On CPU, a method that keeps
+memory-mapped checkpoint tensors as parameters (transformers does, for embeddings, lm_head and
+norms) is charged their bytes on top of its tracked peak (``untracked_final_bytes``): on a GPU
+they would be device memory too. For hf+torchao-quantize_ the device-equivalent bytes are also
+sampled when from_pretrained returns (the whole BF16 model held, as mmap views on CPU), a lower
+bound of its GPU peak. hf-TorchAoConfig quantizes inside from_pretrained, so the mmap views it
+drops along the way are not counted: its CPU figure is a lower bound too. The one-time process
+warm-up (imports, Inductor's compile of the fused CPU quantize, the tracker's first dispatch) is
+done before the timed load and reported separately.
 
-    python -m layerwise.benchmarks.peak_memory [--size default|small] [--device cpu|cuda] [--name NAME]
-    layerwise bench ...   (the same)
+    layerwise bench [--size default|small] [--device cpu|cuda] [--out-dir DIR] [--cache-dir DIR]
+    python -m layerwise.benchmarks.peak_memory ...   (the same)
+
+Writes DIR/<name>.json (every figure above, plus the memory timelines) and DIR/<name>.png (the
+timelines plotted), and prints the table.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -38,7 +43,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, default_cache_dir, require, write_json
+from layerwise.benchmarks.readme import peak_memory_table
+
 SIZES = {  # Llama-style checkpoints written by transformers' save_pretrained, BF16
     "default": dict(num_hidden_layers=24, hidden_size=1024, intermediate_size=2816, vocab_size=32000,
                     num_attention_heads=16, num_key_value_heads=8, max_shard_size="200MB"),
@@ -51,20 +58,35 @@ METHODS = [f"layerwise-{s}" for s in LAYERWISE] + ["naive-bf16-then-fp8", "hf+to
 
 
 def make_checkpoint(size: str, root: Path) -> Path:
-    """Generate (once) the benchmark checkpoint with transformers; returns its directory."""
+    """The benchmark checkpoint ``root/llama-<size>``, generated with transformers the first time and reused
+    after; returns its directory. It is written under a temporary name and renamed when complete, so an
+    interrupted run never leaves a checkpoint that looks finished."""
+    path = root / f"llama-{size}"
+    if path.is_dir():
+        return path
     import transformers
 
     spec = dict(SIZES[size])
     shard = spec.pop("max_shard_size")
-    path = root / f"bench-llama-{size}"
-    if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
-        return path
+    partial = root / f".llama-{size}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**spec, tie_word_embeddings=False, max_position_embeddings=4096)
     with torch.device("cpu"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path, max_shard_size=shard)
+    model.save_pretrained(partial, max_shard_size=shard)
+    partial.rename(path)
     return path
+
+
+def required_modules(methods: list[str], device: str) -> list[str]:
+    """The optional modules a run of ``methods`` on ``device`` imports (the "bench" extra)."""
+    modules = ["transformers", "matplotlib"]  # the checkpoint generator, the plot
+    if any("torchao" in m.lower() for m in methods):
+        modules.append("torchao")
+    if torch.device(device).type != "cpu" and any(m.startswith("hf") for m in methods):
+        modules.append("accelerate")  # transformers' device_map
+    return modules
 
 
 # ----------------------------------------------------------------------------- one method (worker)
@@ -111,8 +133,8 @@ def _load(method: str, path: str, device: torch.device, tracker=None):
         return model
     if method == "hf-TorchAoConfig":
         config = transformers.TorchAoConfig(Float8WeightOnlyConfig(), modules_to_not_convert=["lm_head"])
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config,
-                                                                 **placement)
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                                 quantization_config=config, **placement)
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -136,7 +158,7 @@ def _downsample(timeline: list, points: int = 400) -> list:
 
 
 def worker(method: str, path: str, device: str) -> dict:
-    """Load ``path`` with ``method`` under the tracker; returns the measurements."""
+    """Load ``path`` with ``method`` under the tracker; returns the measurements (bytes, seconds)."""
     from layerwise.memory import DeviceMemoryTracker
 
     device = torch.device(device)
@@ -182,7 +204,15 @@ def worker(method: str, path: str, device: str) -> dict:
 
 # ----------------------------------------------------------------------------- the whole run
 
+# Each method runs in a fresh interpreter: ``worker(METHOD, PATH, DEVICE)``, its result as JSON on stdout.
+# A private entry point, so the command line of `layerwise bench` has nothing internal in it.
+_WORKER = ("import json, sys; from layerwise.benchmarks.peak_memory import worker; "
+           "print(json.dumps(worker(*sys.argv[1:4])))")
+
+
 def run(size: str, device: str, methods: list[str], cache: Path) -> dict:
+    """Every method in its own subprocess on the ``size`` checkpoint (generated under ``cache`` if needed);
+    returns the result that main writes as JSON (bytes, seconds, ratios)."""
     from layerwise.checkpoint import Checkpoint
 
     path = make_checkpoint(size, cache)
@@ -190,8 +220,8 @@ def run(size: str, device: str, methods: list[str], cache: Path) -> dict:
     largest = max(ckpt.group_bytes().values())
     rows = []
     for method in methods:
-        cmd = [sys.executable, "-m", "layerwise.benchmarks.peak_memory", "worker", method, str(path), "--device", device]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+        cmd = [sys.executable, "-c", _WORKER, method, str(path), device]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             rows.append({"method": method, "error": reason})
@@ -209,29 +239,16 @@ def run(size: str, device: str, methods: list[str], cache: Path) -> dict:
             r["time_over_floor"] = r["seconds"] / floor["seconds"]
     return {"benchmark": "peak_memory", "size": size, "device": device, "checkpoint": str(path),
             "config": {k: v for k, v in SIZES[size].items()}, "checkpoint_bytes": ckpt.total_bytes,
-            "largest_layer_checkpoint_bytes": largest, "machine": _machine(device), "results": rows}
+            "largest_layer_checkpoint_bytes": largest, "machine": describe_machine(device), "results": rows}
 
 
-def _machine(device: str) -> dict:
+def describe_machine(device: str) -> dict:
+    """Platform, Python, torch, CPU count and threads (and the GPU's name on cuda), for the results JSON."""
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
-
-
-def table(result: dict) -> str:
-    """Markdown table of a run."""
-    lines = ["| method | peak MiB | final MiB | peak/final | (peak-final)/layer | seconds | time/floor |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in result["results"]:
-        if "error" in r:
-            lines.append(f"| {r['method']} | did not run: {r['error'][:80]} | | | | | |")
-            continue
-        lines.append(f"| {r['method']} | {r['peak_bytes'] / 2**20:,.1f} | {r['final_bytes'] / 2**20:,.1f} | "
-                     f"{r['peak_over_final']:.2f} | {r['overhead_over_largest_layer']:.2f} | {r['seconds']:.2f} | "
-                     f"{r.get('time_over_floor', float('nan')):.2f} |")
-    return "\n".join(lines)
 
 
 def plot(result: dict, out: Path) -> None:
@@ -272,36 +289,33 @@ def plot(result: dict, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="layerwise bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command")
-    w = sub.add_parser("worker", help=argparse.SUPPRESS)
-    w.add_argument("method")
-    w.add_argument("path")
-    w.add_argument("--device", default="cpu")
-    parser.add_argument("--size", default="default", choices=sorted(SIZES))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--name", default=None, help="JSON/PNG name under benchmarks/results (default: "
-                                                     "peak_memory_<device>_<size>)")
-    parser.add_argument("--out-dir", default=str(RESULTS))
-    parser.add_argument("--cache-dir", default=None, help="where the checkpoint is generated")
-    args = parser.parse_args(argv)
-    if args.command == "worker":
-        print(json.dumps(worker(args.method, args.path, args.device)))
-        return 0
-    from layerwise.demo import default_cache_dir
+    """``layerwise bench``: parse ``argv``, run, write DIR/NAME.json and DIR/NAME.png, print the table.
 
-    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    result = run(args.size, args.device, args.methods.split(","), cache)
+    Raises:
+        MissingDependencyError: an optional dependency of the run is missing (checked before any work).
+    """
+    parser = argparse.ArgumentParser(prog="layerwise bench", description=__doc__, epilog=RESULTS_NOTE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sizes = "; ".join(f"'{k}' = {v['num_hidden_layers']} layers, hidden {v['hidden_size']}" for k, v in SIZES.items())
+    parser.add_argument("--size", default="default", choices=sorted(SIZES),
+                        help=f"the BF16 Llama checkpoint to generate: {sizes} (a quick run; default: default)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--methods", default=",".join(METHODS), metavar="M1,M2,...",
+                        help="comma-separated subset of the methods above (default: all)")
+    add_output_arguments(parser, default_name="peak_memory_<device>_<size>")
+    args = parser.parse_args(argv)
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    require(required_modules(methods, args.device))
+
+    result = run(args.size, args.device, methods, args.cache_dir or default_cache_dir())
     name = args.name or f"peak_memory_{args.device}_{args.size}"
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / f"{name}.json", "w") as f:
-        json.dump(result, f, indent=1)
-    plot(result, out_dir / f"{name}.png")
-    print(table(result))
-    print(f"written to {out_dir / name}.json and .png")
+    path = write_json(result, args.out_dir, name)
+    plot(result, path.with_suffix(".png"))
+    print(peak_memory_table(result))
+    print(f"written to {path} and {path.with_suffix('.png')}")
     return 0
 
 

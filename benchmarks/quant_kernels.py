@@ -5,18 +5,21 @@ for ``clone`` alike, measured in the same run; ``ratio_to_clone`` = quantize GB/
 On CUDA the JSON also gives the fraction of the device's peak memory bandwidth, counting the bytes
 actually moved (quantize: read twice, write fp8 once; clone: read and write once).
 
-    python -m layerwise.benchmarks.quant_kernels [--device cpu|cuda] [--shapes 8192x8192,1024x2816] [--out FILE]
+    python -m layerwise.benchmarks.quant_kernels [--device cpu|cuda] [--shapes 8192x8192,1024x2816]
+        [--out-dir DIR]
+
+Writes DIR/<name>.json (seconds and GB/s per shape and scheme) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 
 import torch
 
+from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, positive_int, write_json
+from layerwise.benchmarks.readme import quant_kernels_table
 from layerwise.benchmarks.timing import best_of
 from layerwise.kernels import GRANULARITIES, fp8_quantize_weight, resolve_kernel
 
@@ -25,6 +28,8 @@ PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "RTX
 
 
 def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | None = None) -> dict:
+    """Time clone and the three FP8 granularities on a random BF16 tensor of each shape; returns the result
+    that main writes as JSON (seconds, GB/s, ratios)."""
     device = torch.device(device)
     kernel = resolve_kernel(kernel, device)
     peak = next((v for k, v in PEAK_GBPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()),
@@ -49,25 +54,33 @@ def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | 
             "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats, "results": rows}
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS[,ROWSxCOLS...], got {text!r}")
+    return shapes
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--kernel", default=None, choices=["torch", "triton"])
-    parser.add_argument("--shapes", default="8192x8192,4096x1024,1024x2816")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/quant_kernels_<device>.json")
+    """Parse ``argv``, run, write DIR/NAME.json, print the table."""
+    parser = argparse.ArgumentParser(prog="python -m layerwise.benchmarks.quant_kernels", description=__doc__,
+                                     epilog=RESULTS_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--kernel", default=None, choices=["torch", "triton"],
+                        help="default: triton on cuda if installed, else torch")
+    parser.add_argument("--shapes", type=_shapes, default="8192x8192,4096x1024,1024x2816", metavar="RxC,...",
+                        help="weight shapes to quantize (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="best of this many runs (default: 3)")
+    add_output_arguments(parser, default_name="quant_kernels_<device>", checkpoint=False)
     args = parser.parse_args(argv)
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    result = run(args.device, shapes, args.repeats, args.kernel)
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"quant_kernels_{args.device}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"{'shape':>12} {'scheme':>16} {'GB/s':>7} {'clone GB/s':>10} {'ratio':>6}")
-    for r in result["results"]:
-        print(f"{'x'.join(map(str, r['shape'])):>12} {r['scheme']:>16} {r['gbps']:7.2f} {r['clone_gbps']:10.2f} "
-              f"{r['ratio_to_clone']:6.2f}")
-    print(f"written to {out}")
+
+    result = run(args.device, args.shapes, args.repeats, args.kernel)
+    path = write_json(result, args.out_dir, args.name or f"quant_kernels_{args.device}")
+    print(quant_kernels_table(result))
+    print(f"written to {path}")
     return 0
 
 

@@ -4,24 +4,30 @@ into a live FP8 model and a live BF16 model, against the floor of copying the sa
 floor: ``dst.copy_(src)`` of every checkpoint tensor into preallocated BF16 tensors of the same
 shapes (the least any in-place reload must do). Each figure is the best of ``--repeats`` runs.
 
-    python -m layerwise.benchmarks.reload_latency [--size default|small] [--device cpu|cuda]
+    python -m layerwise.benchmarks.reload_latency [--size default|small] [--device cpu|cuda] [--out-dir DIR]
+
+Writes DIR/<name>.json (seconds per case and / floor) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 import layerwise
-from layerwise.benchmarks.peak_memory import RESULTS, SIZES, _machine, make_checkpoint
+from layerwise.benchmarks.options import (RESULTS_NOTE, add_output_arguments, default_cache_dir, positive_int,
+                                          require, write_json)
+from layerwise.benchmarks.peak_memory import SIZES, describe_machine, make_checkpoint
+from layerwise.benchmarks.readme import reload_latency_table
 from layerwise.benchmarks.timing import best_of
 from layerwise.checkpoint import Checkpoint
 
 
 def run(size: str, device: str, repeats: int, cache: Path) -> dict:
+    """Reload the ``size`` checkpoint (generated under ``cache`` if needed) into live FP8 and BF16 models;
+    returns the result that main writes as JSON (seconds, ratios to the floor)."""
     device = torch.device(device)
     path = make_checkpoint(size, cache)
     stream = [(k, t.clone()) for k, t in Checkpoint(path)]  # the trainer's BF16 tensors, in host memory
@@ -37,27 +43,28 @@ def run(size: str, device: str, repeats: int, cache: Path) -> dict:
         rows.append({"case": f"{name}: in-memory stream", "seconds": memory, "over_floor": memory / floor})
         rows.append({"case": f"{name}: from disk (page cache warm)", "seconds": disk, "over_floor": disk / floor})
     return {"benchmark": "reload_latency", "size": size, "device": str(device), "checkpoint": str(path),
-            "stream_bytes": stream_bytes, "repeats": repeats, "machine": _machine(str(device)), "results": rows}
+            "stream_bytes": stream_bytes, "repeats": repeats, "machine": describe_machine(str(device)), "results": rows}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="default", choices=sorted(SIZES))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/reload_latency_<device>_<size>.json")
-    parser.add_argument("--cache-dir", default=None)
-    args = parser.parse_args(argv)
-    from layerwise.demo import default_cache_dir
+    """Parse ``argv``, run, write DIR/NAME.json, print the table.
 
-    result = run(args.size, args.device, args.repeats, Path(args.cache_dir) if args.cache_dir else default_cache_dir())
-    out = Path(args.out) if args.out else RESULTS / f"reload_latency_{args.device}_{args.size}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print("| case | seconds | / floor |\n|---|---:|---:|")
-    for r in result["results"]:
-        print(f"| {r['case']} | {r['seconds']:.3f} | {r.get('over_floor', 1.0):.2f} |")
-    print(f"written to {out}")
+    Raises:
+        MissingDependencyError: transformers (which generates the checkpoint) is missing; checked first.
+    """
+    parser = argparse.ArgumentParser(prog="python -m layerwise.benchmarks.reload_latency", description=__doc__,
+                                     epilog=RESULTS_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="best of this many runs (default: 3)")
+    add_output_arguments(parser, default_name="reload_latency_<device>_<size>")
+    args = parser.parse_args(argv)
+    require(["transformers"], purpose="python -m layerwise.benchmarks.reload_latency")
+
+    result = run(args.size, args.device, args.repeats, args.cache_dir or default_cache_dir())
+    path = write_json(result, args.out_dir, args.name or f"reload_latency_{args.device}_{args.size}")
+    print(reload_latency_table(result))
+    print(f"written to {path}")
     return 0
 
 
