@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from layerwise.kernels import cpu_fused, reference
-from layerwise.kernels.reference import (BLOCK_SIZE, FP8_DTYPE, FP8_E4M3_MAX, GRANULARITIES, NonFiniteError, scale_from_amax,
+from layerwise.kernels.reference import (BLOCK_SIZE, FP8_DTYPE, FP8_E4M3_MAX, GRANULARITIES, has_non_finite, scale_from_amax,
                                scale_layout, scale_shape)
 from layerwise.kernels.triton_common import HAS_TRITON
 
@@ -69,7 +69,7 @@ def fp8_quantize_weight(w: torch.Tensor, granularity: str = "tensor",
         (q, scale): float8_e4m3fn tensor of w's shape; float32 scale of shape [] / [N, 1] /
         [ceil(N/128), ceil(K/128)].
     Raises:
-        NonFiniteError: ``w`` holds NaN or Inf.
+        NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
     scale = scale_from_amax(fp8_amax(w, granularity, kernel))
     return fp8_quantize(w, scale, kernel), scale
@@ -77,7 +77,7 @@ def fp8_quantize_weight(w: torch.Tensor, granularity: str = "tensor",
 
 
 __all__ = [
-    "BLOCK_SIZE", "FP8_DTYPE", "FP8_E4M3_MAX", "GRANULARITIES", "KERNELS", "NonFiniteError", "fp8_amax",
+    "BLOCK_SIZE", "FP8_DTYPE", "FP8_E4M3_MAX", "GRANULARITIES", "KERNELS", "fp8_amax", "has_non_finite",
     "fp8_dequantize", "fp8_quantize", "fp8_quantize_weight", "resolve_kernel",
     "scale_from_amax", "scale_layout", "scale_shape",
 ]

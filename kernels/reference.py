@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from layerwise.errors import NonFiniteWeightError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 BLOCK_SIZE = (128, 128)
@@ -29,8 +31,17 @@ GRANULARITIES = ("tensor", "channel", "block")
 CHUNK_NUMEL = 1 << 20
 
 
-class NonFiniteError(ValueError):
-    """A tensor to be quantized holds NaN or +-Inf, which would poison its scale."""
+def has_non_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds NaN or +-Inf: the one finiteness check of the project.
+
+    float8_e4m3fn has only NaN (bits S.1111.111), tested on its bytes; wider floats go through
+    ``aminmax`` in row chunks (one pass, no temporary the size of ``t``); other dtypes are finite.
+    """
+    if t.dtype == FP8_DTYPE:
+        return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    return not bool(torch.isfinite(amax(t)))
 
 
 def _row_chunks(n_rows: int, n_cols: int, align: int = 1):
@@ -117,11 +128,11 @@ def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
         float32 tensor of the same shape: amax / 448; 1.0 where amax == 0 (an all-zero group);
         never below ``torch.finfo(float32).tiny``, so w / scale never divides by zero or a subnormal.
     Raises:
-        NonFiniteError: when any amax is NaN or Inf.
+        NonFiniteWeightError: when any amax is NaN or Inf (the tensor it came from holds one).
     """
     amax_value = amax_value.float()
-    if not bool(torch.isfinite(amax_value).all()):
-        raise NonFiniteError(f"non-finite amax {amax_value[~torch.isfinite(amax_value)].flatten()[:4].tolist()}")
+    if has_non_finite(amax_value):
+        raise NonFiniteWeightError("tensor holds NaN or Inf (non-finite amax)")
     scale = torch.clamp(amax_value / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
     return torch.where(amax_value > 0, scale, torch.ones_like(scale))
 
@@ -188,16 +199,3 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     if granularity == "tensor":
         return (q.to(torch.float32) * scale.float().reshape(())).to(dtype)
     return (q.to(torch.float32) * _expand_rows(scale.float(), granularity, 0, q.shape[0], q.shape[1])).to(dtype)
-
-
-def quantize_weight(w: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
-    """amax -> scale -> quantize.
-
-    Returns:
-        (q, scale): float8_e4m3fn tensor of w's shape, float32 scale of :func:`scale_shape`.
-    Raises:
-        NonFiniteError: ``w`` holds NaN or Inf.
-    """
-    scale = scale_from_amax(amax(w, granularity))
-    return quantize(w, scale), scale
-

@@ -1,15 +1,15 @@
 """layerwise: load BF16 Hugging Face checkpoints as FP8 layer by layer, and hot-reload them in place."""
 
-from layerwise.errors import (CheckpointError, DuplicateWeightError, LayerwiseError, MissingWeightError,
-                              NonFiniteWeightError, ReloadError, UnexpectedWeightError,
+from layerwise.errors import (CheckpointError, DuplicateWeightError, LayerwiseError, MissingDependencyError,
+                              MissingWeightError, NonFiniteWeightError, ReloadError, UnexpectedWeightError,
                               UnsupportedArchitectureError, WeightShapeError)
-from layerwise.loader import LoadReport, load_model, load_model_with_report
-from layerwise.reloading import ReloadReport, reload_weights
+from layerwise.api import LoadReport, ReloadReport, load_model, load_model_with_report, reload_weights
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "DuplicateWeightError", "LayerwiseError", "LoadReport", "MissingWeightError",
+    "CheckpointError", "DuplicateWeightError", "LayerwiseError", "LoadReport", "MissingDependencyError",
+    "MissingWeightError",
     "NonFiniteWeightError", "ReloadError", "UnexpectedWeightError", "UnsupportedArchitectureError",
     "ReloadReport", "WeightShapeError", "load_model", "load_model_with_report", "reload_weights",
 ]

@@ -1,20 +1,50 @@
-"""Command line: ``layerwise load PATH``, ``layerwise demo``, ``layerwise reload [PATH_A PATH_B]``."""
+"""Command line: ``layerwise load PATH``, ``layerwise demo``, ``layerwise reload [PATH_A PATH_B]``,
+``layerwise bench``.
+
+Expected errors (a bad path or option, a bad checkpoint, a missing optional package, no GPU) print
+one or two lines on stderr naming the file, tensor key or option and what to do, and exit with 2
+(usage: checked before anything is loaded) or 1 (the load or reload failed). ``--debug`` shows the
+traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+from pathlib import Path
 
-from layerwise.loader import LoadReport, load_model_with_report
-from layerwise.quant.config import check_quantization
+import torch
+
+from layerwise.api import LoadReport, load_model_with_report
+from layerwise.dtypes import parse_dtype
+from layerwise.errors import LayerwiseError
+from layerwise.quant.config import parse_scheme, scheme_names
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
 
 
-def _quantization(name: str) -> str:
+class UsageError(Exception):
+    """A command-line option that cannot work, found before loading (exit code 2)."""
+
+
+def _scheme(text: str) -> str:
     try:
-        return check_quantization(name)
+        name, argument = parse_scheme(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+    return f"{name}:{argument}" if argument else name
+
+
+def _dtype(text: str) -> str:
+    try:
+        parse_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
 
 
 def _mib(n: int) -> str:
@@ -41,9 +71,71 @@ def format_report(report: LoadReport) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+# ---- checks that need no loading (exit 2) ----
+
+def _checkpoint_dir(path: str, option: str) -> str:
+    """The checkpoint directory ``path`` names: a directory, or a file inside one (config.json,
+    a shard), whose directory is then used."""
+    p = Path(path)
+    if p.is_dir():
+        return str(p)
+    if p.is_file():
+        if (p.parent / "config.json").is_file():
+            print(f"layerwise: {option} {path} is a file; using its checkpoint directory {p.parent}", file=sys.stderr)
+            return str(p.parent)
+        raise UsageError(f"{option} {path} is a file, not a checkpoint directory (one with config.json and "
+                         f"*.safetensors)")
+    raise UsageError(f"{option} {path}: no such directory; give a checkpoint directory with config.json and "
+                     f"*.safetensors")
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        raise UsageError(f"--device {text!r} is not a device name (use cpu, cuda or cuda:N): {e}") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+            raise UsageError(f"--device {text}: no CUDA GPU is visible to torch ({build}); use --device cpu, or "
+                             f"install a CUDA build of torch on a machine with a GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif device.type != "cpu":
+        raise UsageError(f"--device {text}: layerwise runs on cpu and cuda devices")
+    return device
+
+
+def _report_file(path: str | None) -> None:
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--report {path} is a directory; give a file name such as {p / 'report.json'}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"--report {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--report {path}: directory {parent} is not writable")
+
+
+def _kernel(kernel: str | None) -> None:
+    if kernel == "triton":
+        from layerwise.kernels import HAS_TRITON
+
+        if not HAS_TRITON:
+            raise UsageError("--kernel triton: triton is not installed (pip install triton), or use --kernel torch")
+
+
+# ---- commands ----
+
 def _load(args) -> int:
-    _, report = load_model_with_report(args.path, args.quantization, args.device, args.dtype, args.kernel,
-                                       args.fp8_mode, progress=True)
+    path = _checkpoint_dir(args.path, "PATH")
+    _device(args.device)
+    _report_file(args.report)
+    _kernel(args.kernel)
+    _, report = load_model_with_report(path, args.quantization, args.device, args.dtype, args.kernel, args.fp8_mode,
+                                       progress=True)
     print(format_report(report))
     if args.report:
         with open(args.report, "w") as f:
@@ -55,6 +147,7 @@ def _load(args) -> int:
 def _demo(args) -> int:
     from layerwise.demo import demo_checkpoint, greedy_tokens
 
+    _device(args.device)
     path = demo_checkpoint(args.cache_dir)
     print(f"demo checkpoint (random BF16 Qwen3, generated locally): {path}")
     model, report = load_model_with_report(path, "fp8", args.device, progress=True)
@@ -70,10 +163,10 @@ def _reload(args) -> int:
     from layerwise.engine import Engine
 
     if (args.path_a is None) != (args.path_b is None):
-        print("give both PATH_A and PATH_B, or neither (demo checkpoints)", file=sys.stderr)
-        return 2
-    path_a = args.path_a or demo_checkpoint(args.cache_dir, seed=0)
-    path_b = args.path_b or demo_checkpoint(args.cache_dir, seed=1)
+        raise UsageError("give both PATH_A and PATH_B, or neither (two demo checkpoints are generated)")
+    _device(args.device)
+    path_a = _checkpoint_dir(args.path_a, "PATH_A") if args.path_a else demo_checkpoint(args.cache_dir, seed=0)
+    path_b = _checkpoint_dir(args.path_b, "PATH_B") if args.path_b else demo_checkpoint(args.cache_dir, seed=1)
     prompts = [[1, 17, 42, 7], [5, 3]]
     engine = Engine.from_pretrained(path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization,
                                     device=args.device)
@@ -93,51 +186,81 @@ def _reload(args) -> int:
     print(f"fresh engine on B:         {tokens_b}")
     print(f"outputs follow B:          {tokens_after == tokens_b}")
     print(f"tensors kept in place:     {kept}/{len(addresses)} (same object, same data_ptr)")
-    print(f"layers updated:            {len(report.updated_layers)} in {report.seconds:.3f} s")
+    print(f"updated:                   {len(report.updated_decoder_layers)} decoder layers, "
+          f"{len(report.updated_modules)} modules in {report.seconds:.3f} s")
     if engine.use_cuda_graph:
         print(f"CUDA graph captures:       {engine.captures}")
-    return 0 if tokens_after == tokens_b and kept == len(addresses) else 1
+    return 0 if tokens_after == tokens_b and kept == len(addresses) else EXIT_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerwise", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="layerwise", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    schemes = " | ".join(scheme_names())
     load = sub.add_parser("load", help="load a checkpoint directory and print a memory/time summary")
     load.add_argument("path", help="directory with config.json and *.safetensors")
-    load.add_argument("--quantization", default="fp8", type=_quantization, metavar="SCHEME",
-                      help="fp8 | fp8-per-tensor | fp8-per-channel | fp8-per-block | torchao:<Config> | none")
-    load.add_argument("--device", default="cpu")
-    load.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: config.json)")
-    load.add_argument("--kernel", default=None, choices=["torch", "triton"])
+    load.add_argument("--quantization", default="fp8", type=_scheme, metavar="SCHEME",
+                      help=f"{schemes} (case-insensitive; default fp8)")
+    load.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    load.add_argument("--dtype", default=None, type=_dtype, help="bfloat16 | float16 | float32 (default: config.json)")
+    load.add_argument("--kernel", default=None, choices=["torch", "triton"],
+                      help="FP8 quantization kernels (default: triton on cuda, torch on cpu)")
     load.add_argument("--fp8-mode", default="auto", choices=["auto", "w8a8", "w8a16"])
     load.add_argument("--report", default=None, metavar="FILE.json", help="write the summary as JSON")
     load.set_defaults(func=_load)
     demo = sub.add_parser("demo", help="generate a small BF16 Qwen3 checkpoint, load it as FP8, generate")
     demo.add_argument("--device", default="cpu")
-    demo.add_argument("--cache-dir", default=None)
+    demo.add_argument("--cache-dir", default=None, help="where the demo checkpoint is written (default: "
+                                                         "$LAYERWISE_CACHE or ~/.cache/layerwise)")
     demo.add_argument("--tokens", type=int, default=8)
     demo.set_defaults(func=_demo)
     reload = sub.add_parser("reload", help="load A, generate, hot-reload B in place, generate, compare with B")
     reload.add_argument("path_a", nargs="?", default=None, help="default: the demo checkpoint")
     reload.add_argument("path_b", nargs="?", default=None, help="default: the demo checkpoint with seed 1")
-    reload.add_argument("--quantization", default="fp8", type=_quantization, metavar="SCHEME")
+    reload.add_argument("--quantization", default="fp8", type=_scheme, metavar="SCHEME", help=schemes)
     reload.add_argument("--device", default="cpu")
     reload.add_argument("--cache-dir", default=None)
     reload.add_argument("--tokens", type=int, default=8)
     reload.set_defaults(func=_reload)
-    sub.add_parser("bench", help="peak-memory and load-time benchmark (see benchmarks/peak_memory.py)",
-                   add_help=False)
+    sub.add_parser("bench", help="peak-memory and load-time benchmark (layerwise bench --help)", add_help=False)
     return parser
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # the benchmark owns its arguments
-        from layerwise.benchmarks.peak_memory import main as bench_main
+def _fail(message: str, code: int) -> int:
+    print(f"layerwise: error: {message}", file=sys.stderr)
+    if code == EXIT_FAILED:
+        print("layerwise: run with --debug for the full traceback", file=sys.stderr)
+    return code
 
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+
+def main(argv=None) -> int:
+    """Run the CLI; returns the exit code (0, 1 for a failed load/reload, 2 for a usage error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    logging.basicConfig(level=logging.INFO, format="layerwise: %(message)s")  # one-time compile notices
+    try:
+        if argv[:1] == ["bench"]:  # the benchmark owns its arguments
+            from layerwise.benchmarks.peak_memory import main as bench_main
+
+            return bench_main(argv[1:])
+        args = build_parser().parse_args(argv)  # argparse prints usage + one line and exits 2
+        return args.func(args)
+    except UsageError as e:
+        if debug:
+            raise
+        return _fail(str(e), EXIT_USAGE)
+    except (LayerwiseError, ValueError, OSError) as e:  # MissingDependencyError is a LayerwiseError
+        if debug:
+            raise
+        return _fail(str(e), EXIT_FAILED)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug: still no traceback unless asked for
+        if debug:
+            raise
+        return _fail(f"unexpected {type(e).__name__}: {e} (please report it)", EXIT_FAILED)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from layerwise.reloading import ReloadReport, Weights, reload_weights
+from layerwise.api import ReloadReport, Weights, reload_weights
 
 
 class Engine:
@@ -56,7 +56,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path, max_batch_size: int = 8, max_seq_len: int = 256, **load_kwargs) -> "Engine":
         """Load ``path`` with :func:`layerwise.load_model` (same keyword arguments) and wrap it."""
-        from layerwise.loader import load_model
+        from layerwise.api import load_model
 
         return cls(load_model(path, **load_kwargs), max_batch_size, max_seq_len)
 

@@ -1,10 +1,13 @@
-"""Exceptions raised by layerwise. Each names the checkpoint file and tensor key where known."""
+"""Exceptions raised by layerwise. Each names the checkpoint file and tensor key where known.
+
+A leaf module: it imports nothing from the project, so every package (layerwise.kernels,
+layerwise.quant, layerwise) raises these same classes. A kernel raises NonFiniteWeightError without
+a key; the loader that fed it adds the key and file (``add_context``) on the way up.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
-
-from layerwise.quant.parameters import WeightShapeError as _LoaderShapeError
 
 
 class LayerwiseError(Exception):
@@ -43,12 +46,12 @@ class UnexpectedWeightError(LayerwiseError):
     """The checkpoint holds a tensor that no parameter of the model takes."""
 
 
-class WeightShapeError(LayerwiseError, _LoaderShapeError):
-    """A checkpoint tensor's shape does not fit the parameter it is loaded into."""
+class WeightShapeError(LayerwiseError, ValueError):
+    """A checkpoint tensor's shape does not fit the parameter (region) it is loaded into."""
 
 
-class NonFiniteWeightError(LayerwiseError):
-    """A checkpoint tensor holds NaN or Inf (it would poison an FP8 scale)."""
+class NonFiniteWeightError(LayerwiseError, ValueError):
+    """A tensor to be loaded or quantized holds NaN or Inf (it would poison an FP8 scale)."""
 
 
 class MissingWeightError(LayerwiseError):
@@ -60,13 +63,13 @@ class DuplicateWeightError(LayerwiseError):
 
 
 class ReloadError(LayerwiseError):
-    """A reload failed. ``updated_layers`` lists the layers whose kernel tensors were already
-    overwritten with new values (empty for an atomic reload, which then changed nothing)."""
+    """A reload or weight update failed. ``updated_modules`` lists the modules whose kernel tensors
+    were already overwritten with new values (empty for an atomic reload, which changed nothing);
+    ``cause`` is the underlying error (UnexpectedWeightError, WeightShapeError, ...), when there is one."""
 
-    def __init__(self, message: str, updated_layers=(), key=None, file=None):
+    def __init__(self, message: str, updated_modules=(), key=None, file=None):
         super().__init__(message, key=key, file=file)
-        self.updated_layers = list(updated_layers)
-        #: the underlying error (UnexpectedWeightError, WeightShapeError, ...), when there is one
+        self.updated_modules = list(updated_modules)
         self.cause: Optional[LayerwiseError] = None
 
 

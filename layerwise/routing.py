@@ -3,17 +3,19 @@
 ``load_weights(module, weights)`` splits each key on dots and descends through ``named_children``.
 When a component names no child, the children's ``checkpoint_shards`` are consulted: a fused layer
 (qkv_proj, gate_up_proj) declares the checkpoint module names it absorbs and the shard_id of each.
-The last component names a parameter, whose own ``weight_loader(param, tensor, shard_id)`` writes it.
+The last component names a parameter, whose own ``weight_loader(param, tensor, shard_id, key=key)``
+writes it; the key travels with the call (for error messages and the per-module buffers).
+``stream_weights`` feeds a whole stream through a model's ``load_weights``, one tensor at a time.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
-from layerwise.errors import DuplicateWeightError, UnexpectedWeightError
+from layerwise.errors import DuplicateWeightError, LayerwiseError, UnexpectedWeightError
 from layerwise.reload.session import get_layerwise_info
 
 
@@ -27,12 +29,12 @@ def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_i
         if loader is None:
             info = get_layerwise_info(module)
             if info is not None and info.done:  # processed earlier in this load/reload session
-                raise DuplicateWeightError(f"layer {info.prefix} was already loaded in this session; "
+                raise DuplicateWeightError(f"module {info.prefix} was already loaded in this session; "
                                            f"{info.prefix}.{head} is written again", key=key)
             raise UnexpectedWeightError(
                 f"parameter {head!r} of {type(module).__name__} is in kernel format; reload with "
                 f"layerwise.reload_weights instead of calling load_weights directly", key=key)
-        loader(param, tensor, shard_id)
+        loader(param, tensor, shard_id, key=key)  # inside a session: online_process_loader
         return
     child = module._modules.get(head)
     if child is not None:
@@ -47,8 +49,8 @@ def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_i
 
 
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 skip: Optional[callable] = None) -> list[str]:
-    """Load (key, tensor) pairs in checkpoint naming into ``module``.
+                 skip: Optional[Callable[[str], bool]] = None) -> list[str]:
+    """Load (key, tensor) pairs in checkpoint naming into ``module`` (inside a layerwise session).
 
     Args:
         module: root of the module tree the keys are relative to.
@@ -57,13 +59,36 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     Returns:
         the keys that were loaded, in order.
     Raises:
-        UnexpectedWeightError: a key names no module or parameter (the error's ``key`` is set).
-        WeightShapeError (from quant.parameters): a tensor does not fit its parameter.
+        LayerwiseError subclasses with ``key`` set: UnexpectedWeightError (a key names no module or
+        parameter), WeightShapeError (a tensor does not fit its parameter), DuplicateWeightError, ...
     """
     loaded = []
     for key, tensor in weights:
         if skip is not None and skip(key):
             continue
-        _route(module, key, tensor, key)
+        try:
+            _route(module, key, tensor, key)
+        except LayerwiseError as e:
+            raise e.add_context(key=key)
         loaded.append(key)
     return loaded
+
+
+def stream_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                   file_of: Optional[Callable[[str], Optional[str]]] = None,
+                   on_tensor: Optional[Callable[[str], None]] = None) -> None:
+    """Feed (key, tensor) pairs one at a time to ``model.load_weights`` (inside a layerwise session).
+
+    Args:
+        file_of: key -> checkpoint file, to name the file in errors.
+        on_tensor: called with each key after it was loaded (progress reporting).
+    Raises:
+        LayerwiseError subclasses, with ``key`` and ``file`` filled in from the pair that failed.
+    """
+    for key, tensor in weights:
+        try:
+            model.load_weights([(key, tensor)])
+        except LayerwiseError as e:
+            raise e.add_context(key=key, file=file_of(key) if file_of else None)
+        if on_tensor is not None:
+            on_tensor(key)

@@ -14,21 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerwise.kernels import NonFiniteError
-from layerwise.kernels.reference import amax
+from layerwise.errors import NonFiniteWeightError
+from layerwise.kernels import has_non_finite
 from layerwise.quant.parameters import ModelWeightParameter, WeightLoader
 
 
 def check_finite(layer: nn.Module, skip: Sequence[str] = ()) -> None:
-    """Raise NonFiniteError naming the first parameter of ``layer`` (except ``skip``) holding NaN/Inf.
-
-    One pass per parameter through ``aminmax``; no temporary the size of the parameter.
-    """
+    """Raise NonFiniteWeightError naming the first parameter of ``layer`` (except ``skip``) holding
+    NaN/Inf (see :func:`layerwise.kernels.has_non_finite`)."""
     for name, p in layer.named_parameters(recurse=False):
-        if name in skip:
-            continue
-        if p.is_floating_point() and p.dtype.itemsize > 1 and not bool(torch.isfinite(amax(p))):
-            raise NonFiniteError(f"parameter {name!r} holds NaN or Inf")
+        if name not in skip and has_non_finite(p):
+            raise NonFiniteWeightError(f"parameter {name!r} holds NaN or Inf")
 
 
 class QuantMethod:
@@ -51,7 +47,7 @@ class QuantMethod:
         """Turn the loaded checkpoint-format parameters into kernel tensors (in place on ``layer``).
 
         Raises:
-            NonFiniteError: a weight holds NaN or Inf.
+            NonFiniteWeightError: a weight holds NaN or Inf.
         """
         raise NotImplementedError
 

@@ -1,61 +1,140 @@
-"""Choosing the quantization method for each layer from a scheme name."""
+"""Quantization schemes: a registry from a scheme name to the method that quantizes each Linear.
+
+A scheme is registered once with :func:`register_scheme` (as torchao maps a config class to its
+handler); :func:`parse_scheme` turns a user's string into the canonical scheme once, at the edge
+(case-insensitive: "FP8", "fp8-Per-Channel"), and :class:`QuantConfig` carries the result.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from layerwise.quant.base import QuantMethod, UnquantizedLinearMethod
-from layerwise.quant.fp8 import Fp8LinearMethod
+from layerwise.quant.fp8 import FP8_MODES, Fp8LinearMethod
 
-FP8_SCHEMES = {"fp8": "tensor", "fp8-per-tensor": "tensor", "fp8-per-channel": "channel", "fp8-per-block": "block"}
-QUANTIZATIONS = (*FP8_SCHEMES, "none", "torchao:<ConfigName>")
+#: (argument after "name:", or None; kernel; fp8_mode) -> a new method for one Linear layer
+SchemeFactory = Callable[[Optional[str], str, str], QuantMethod]
 
 
-def check_quantization(name: str) -> str:
-    """Validate a scheme name; returns it. Raises ValueError naming the accepted ones."""
-    if name in FP8_SCHEMES or name == "none" or (name.startswith("torchao:") and len(name) > 8):
-        return name
-    raise ValueError(f"unknown quantization {name!r}; choose one of {QUANTIZATIONS}")
+@dataclass(frozen=True)
+class _Scheme:
+    name: str
+    factory: SchemeFactory
+    takes_argument: bool
+    help: str
+
+
+_SCHEMES: dict[str, _Scheme] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register_scheme(name: str, *, aliases: tuple = (), takes_argument: bool = False, help: str = ""):
+    """Decorator registering ``factory(argument, kernel, fp8_mode) -> QuantMethod`` under ``name``.
+
+    Args:
+        name: canonical, lower-case scheme name ("fp8-per-channel").
+        aliases: other accepted names ("fp8" for "fp8-per-tensor").
+        takes_argument: the scheme is written "name:ARG" (torchao:<ConfigClass>).
+        help: one line for ``layerwise load --help`` and error messages.
+    Raises:
+        ValueError: the name or an alias is taken.
+    """
+    def decorator(factory: SchemeFactory) -> SchemeFactory:
+        for n in (name, *aliases):
+            if n in _ALIASES:
+                raise ValueError(f"quantization scheme {n!r} is already registered")
+            _ALIASES[n] = name
+        _SCHEMES[name] = _Scheme(name, factory, takes_argument, help)
+        return factory
+
+    return decorator
+
+
+def scheme_names() -> list[str]:
+    """Every accepted spelling, for help texts: "fp8", "fp8-per-tensor", ..., "torchao:<Config>"."""
+    return [f"{n}:<{_SCHEMES[c].help.split()[0]}>" if _SCHEMES[c].takes_argument else n for n, c in _ALIASES.items()]
+
+
+def parse_scheme(text: Optional[str]) -> tuple[str, Optional[str]]:
+    """(canonical scheme name, argument) from a user's scheme string; None means "none".
+
+    Raises:
+        ValueError: an unknown name, a missing or unexpected ":ARG"; the message lists the accepted names.
+    """
+    if text is None:
+        return "none", None
+    head, sep, argument = str(text).strip().partition(":")
+    canonical = _ALIASES.get(head.lower())
+    if canonical is None:
+        raise ValueError(f"unknown quantization {text!r}; choose one of: {', '.join(scheme_names())}")
+    scheme = _SCHEMES[canonical]
+    if scheme.takes_argument and not argument:
+        raise ValueError(f"quantization {text!r} needs an argument: {canonical}:<{scheme.help.split()[0]}>")
+    if not scheme.takes_argument and sep:
+        raise ValueError(f"quantization {canonical!r} takes no ':{argument}'")
+    return canonical, (argument or None)
+
+
+@register_scheme("fp8-per-tensor", aliases=("fp8",), help="float8_e4m3fn weights, one float32 scale per tensor")
+def _fp8_per_tensor(argument, kernel, fp8_mode):
+    return Fp8LinearMethod("tensor", kernel, fp8_mode)
+
+
+@register_scheme("fp8-per-channel", help="float8_e4m3fn weights, one scale per output row")
+def _fp8_per_channel(argument, kernel, fp8_mode):
+    return Fp8LinearMethod("channel", kernel, fp8_mode)
+
+
+@register_scheme("fp8-per-block", help="float8_e4m3fn weights, one scale per 128 x 128 block")
+def _fp8_per_block(argument, kernel, fp8_mode):
+    return Fp8LinearMethod("block", kernel, fp8_mode)
+
+
+@register_scheme("torchao", takes_argument=True, help="Config class of torchao.quantization, applied per layer")
+def _torchao(argument, kernel, fp8_mode):
+    from layerwise.quant.torchao import TorchaoLinearMethod
+
+    return TorchaoLinearMethod(argument)
+
+
+@register_scheme("none", help="the checkpoint dtype (or dtype=), F.linear")
+def _none(argument, kernel, fp8_mode):
+    return UnquantizedLinearMethod()
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Which method quantizes which layer.
+    """Which method quantizes which layer, parsed once from a scheme string.
 
-    Attributes:
+    Args:
         quantization: "fp8" (= "fp8-per-tensor"), "fp8-per-channel", "fp8-per-block",
-            "torchao:<ConfigName>" (a torchao.quantization config class) or "none".
+            "torchao:<ConfigName>" (a torchao.quantization config class), "none" or None;
+            case-insensitive except the torchao class name.
         kernel: "torch" or "triton" (already resolved for the target device).
-        fp8_mode: "auto", "w8a8" or "w8a16" (see :class:`quant.fp8.Fp8LinearMethod`).
+        fp8_mode: "auto", "w8a8" or "w8a16" (see :class:`layerwise.quant.fp8.Fp8LinearMethod`).
     Only decoder Linear layers are quantized; embeddings, norms and lm_head keep the checkpoint dtype.
     Raises:
-        ValueError: unknown scheme name (on construction).
+        ValueError: unknown scheme or fp8_mode; a torchao config that does not exist.
+        MissingDependencyError: a torchao scheme without torchao installed.
     """
 
-    quantization: str = "none"
+    quantization: Optional[str] = "none"
     kernel: str = "torch"
     fp8_mode: str = "auto"
+    scheme: str = field(init=False)  # canonical: "fp8-per-tensor", "torchao:Float8WeightOnlyConfig", "none"
+    _argument: Optional[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        check_quantization(self.quantization)
-        if self.quantization.startswith("torchao:"):
-            from layerwise.quant.torchao import torchao_config
-
-            torchao_config(self.quantization.split(":", 1)[1])  # fail early on a bad name
-
-    @property
-    def scheme(self) -> str:
-        """Canonical scheme name ("fp8-per-tensor", "fp8-per-block", "torchao:...", "none")."""
-        if self.quantization in FP8_SCHEMES:
-            return f"fp8-per-{FP8_SCHEMES[self.quantization]}"
-        return self.quantization
+        name, argument = parse_scheme(self.quantization)
+        if self.fp8_mode not in FP8_MODES:
+            raise ValueError(f"unknown fp8_mode {self.fp8_mode!r}; choose one of {FP8_MODES}")
+        # built once now: an unknown torchao config fails here, not at the first layer, and the
+        # method's name is the canonical spelling ("torchao:Float8WeightOnlyConfig")
+        method = _SCHEMES[name].factory(argument, self.kernel, self.fp8_mode)
+        object.__setattr__(self, "scheme", method.name)
+        object.__setattr__(self, "_argument", method.name.partition(":")[2] or None)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        """The method for the Linear layer at ``prefix`` (e.g. "model.layers.0.mlp.down_proj")."""
-        if self.quantization in FP8_SCHEMES:
-            return Fp8LinearMethod(FP8_SCHEMES[self.quantization], self.kernel, self.fp8_mode)
-        if self.quantization.startswith("torchao:"):
-            from layerwise.quant.torchao import TorchaoLinearMethod
-
-            return TorchaoLinearMethod(self.quantization.split(":", 1)[1])
-        return UnquantizedLinearMethod()
+        """A new method for the Linear layer at ``prefix`` (e.g. "model.layers.0.mlp.down_proj")."""
+        return _SCHEMES[self.scheme.partition(":")[0]].factory(self._argument, self.kernel, self.fp8_mode)

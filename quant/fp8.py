@@ -117,7 +117,7 @@ class Fp8LinearMethod(QuantMethod):
         """Quantize ``layer.weight`` [out, in] to float8_e4m3fn and register its float32 scale.
 
         Raises:
-            NonFiniteError: the weight or another parameter (the bias) holds NaN or Inf.
+            NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
         """
         check_finite(layer, skip=("weight",))  # the weight's own check is its amax
         q, scale = fp8_quantize_weight(layer.weight.data, self.granularity, self.kernel)

@@ -11,11 +11,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from layerwise.errors import WeightShapeError
+
 WeightLoader = Callable[..., None]
-
-
-class WeightShapeError(ValueError):
-    """A checkpoint tensor's shape does not fit the parameter region it is loaded into."""
 
 
 class ModelWeightParameter(nn.Parameter):

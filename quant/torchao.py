@@ -18,25 +18,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerwise.kernels.reference import CHUNK_NUMEL
+from layerwise.optional import import_optional
 from layerwise.quant.base import QuantMethod, check_finite
 
 
 def torchao_config(name: str):
-    """An instance of ``torchao.quantization.<name>`` (default arguments).
+    """An instance of ``torchao.quantization.<name>`` (default arguments); the class name is matched
+    exactly, or else case-insensitively.
 
     Raises:
-        ImportError: torchao is not installed (pip install layerwise[torchao]).
-        ValueError: no such config class.
+        MissingDependencyError: torchao is not installed (the message gives the pip line).
+        ValueError: no such config class (the message lists torchao's).
     """
-    try:
-        import torchao.quantization as tq
-    except ImportError as e:  # pragma: no cover - torchao is a test dependency
-        raise ImportError("quantization='torchao:...' needs torchao: pip install 'layerwise[torchao]'") from e
-    cls = getattr(tq, name, None)
-    if cls is None or not name.endswith("Config"):
-        known = sorted(n for n in dir(tq) if n.endswith("Config") and not n.startswith("_"))
-        raise ValueError(f"unknown torchao config {name!r}; torchao.quantization has {known}")
-    return cls()
+    tq = import_optional("torchao.quantization", extra="torchao", purpose=f"quantization 'torchao:{name}'")
+    known = sorted(n for n in dir(tq) if n.endswith("Config") and not n.startswith("_"))
+    match = name if name in known else next((n for n in known if n.lower() == name.lower()), None)
+    if match is None:
+        raise ValueError(f"unknown torchao config {name!r}; torchao.quantization has {', '.join(known)}")
+    return getattr(tq, match)()
 
 
 class TorchaoLinearMethod(QuantMethod):
@@ -49,7 +48,7 @@ class TorchaoLinearMethod(QuantMethod):
 
     def __init__(self, config_name: str):
         self.config = torchao_config(config_name)
-        self.name = f"torchao:{config_name}"
+        self.name = f"torchao:{type(self.config).__name__}"
 
     def _quantize(self, weight: torch.Tensor) -> torch.Tensor:
         from torchao.quantization import quantize_

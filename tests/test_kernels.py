@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from layerwise import kernels
-from layerwise.kernels import (GRANULARITIES, NonFiniteError, fp8_amax, fp8_dequantize, fp8_quantize, fp8_quantize_weight,
+from layerwise.kernels import (GRANULARITIES, fp8_amax, fp8_dequantize, fp8_quantize, fp8_quantize_weight,
                      scale_from_amax, scale_shape)
+from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels import cpu_fused, reference
 from layerwise.kernels.fp8_tiles import quantize_triton
 from layerwise.kernels.fp8_tiles import amax_triton
@@ -90,7 +91,7 @@ def test_non_finite_is_rejected(granularity, device):
         x[50, 3] = bad
         for kernel in ("torch", "triton"):
             assert not bool(torch.isfinite(fp8_amax(x, granularity, kernel)).all())
-            with pytest.raises(NonFiniteError):
+            with pytest.raises(NonFiniteWeightError):
                 fp8_quantize_weight(x, granularity, kernel)
 
 

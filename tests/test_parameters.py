@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from layerwise.quant.parameters import ModelWeightParameter, WeightShapeError, default_weight_loader
+from layerwise.errors import WeightShapeError
+from layerwise.quant.parameters import ModelWeightParameter, default_weight_loader
 
 
 def _param(shape, output_dim=None, input_dim=None):

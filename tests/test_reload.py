@@ -9,7 +9,7 @@ import layerwise
 from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
 from layerwise.memory import DeviceMemoryTracker
-from layerwise.reloading import model_digest
+from layerwise.api import model_digest
 from tests.hf_checkpoints import write_hf_checkpoint
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM"]  # Qwen2 here is tied, Qwen3 untied
@@ -60,7 +60,7 @@ def test_reload_equals_fresh_load_and_stays_in_place(pair, quantization):
     _assert_in_place(model, snap)
     _assert_same_bytes(model, layerwise.load_model(b, quantization=quantization))
     assert model_digest(model) != before
-    assert "model.layers.2.self_attn.qkv_proj" in report.updated_layers
+    assert "model.layers.2.self_attn.qkv_proj" in report.updated_modules
 
 
 def test_reload_from_an_in_memory_stream_on_any_device_order(pair):
@@ -80,7 +80,7 @@ def test_partial_update_changes_only_named_layers(pair):
     reference_b = layerwise.load_model(b)
     stream = [(k, t) for k, t in Checkpoint(b) if k.startswith("model.layers.1.self_attn.")]
     report = layerwise.reload_weights(model, stream)
-    assert set(report.updated_layers) == {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"} | (
+    assert set(report.updated_modules) == {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"} | (
         {"model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.k_norm"}
         if model.config.architectures == ["Qwen3ForCausalLM"] else set())
     sd, sa, sb = model.state_dict(), reference_a.state_dict(), reference_b.state_dict()
@@ -125,7 +125,7 @@ def test_double_write_after_a_layer_completed_is_an_error(pair):
     with pytest.raises(layerwise.ReloadError) as e:
         layerwise.reload_weights(model, [(key, tensor), (key, tensor)])
     assert isinstance(e.value.cause, layerwise.DuplicateWeightError) and e.value.key == key
-    assert e.value.updated_layers == ["model.layers.0.mlp.down_proj"]
+    assert e.value.updated_modules == ["model.layers.0.mlp.down_proj"]
 
 
 def test_missing_region_is_an_error_at_finalize(pair):
@@ -136,8 +136,8 @@ def test_missing_region_is_an_error_at_finalize(pair):
         layerwise.reload_weights(model, stream)
     assert "model.layers.2.self_attn.qkv_proj.weight" in str(e.value) and "never written" in str(e.value)
     assert isinstance(e.value, layerwise.ReloadError)
-    assert "model.layers.0.self_attn.qkv_proj" in e.value.updated_layers
-    assert "model.layers.2.self_attn.qkv_proj" not in e.value.updated_layers
+    assert "model.layers.0.self_attn.qkv_proj" in e.value.updated_modules
+    assert "model.layers.2.self_attn.qkv_proj" not in e.value.updated_modules
     # the incomplete layer kept its old values and the model still runs
     ref_a = layerwise.load_model(a)
     qkv = model.model.layers[2].self_attn.qkv_proj
@@ -169,21 +169,21 @@ def test_atomic_reload_that_fails_halfway_changes_nothing(pair, kind):
     before = model_digest(model)
     with pytest.raises(layerwise.ReloadError) as e:
         layerwise.reload_weights(model, _failing_stream(b, BAD[kind]), atomic=True)
-    assert e.value.updated_layers == []
+    assert e.value.updated_modules == []
     assert model_digest(model) == before
     _assert_in_place(model, snap)
 
 
 @pytest.mark.parametrize("kind", list(BAD))
-def test_non_atomic_failure_lists_updated_layers_and_spares_the_rest(pair, kind):
+def test_non_atomic_failure_lists_updated_modules_and_spares_the_rest(pair, kind):
     a, b = pair
     model = layerwise.load_model(a)
     with pytest.raises(layerwise.ReloadError) as e:
         layerwise.reload_weights(model, _failing_stream(b, BAD[kind]))
-    updated = e.value.updated_layers
+    updated = e.value.updated_modules
     assert "model.layers.1.mlp.gate_up_proj" in updated and "model.layers.0.self_attn.qkv_proj" in updated
     assert "model.layers.2.mlp.gate_up_proj" not in updated
-    assert "layers already updated" in str(e.value) and "model.layers.2.mlp.up_proj" in str(e.value)
+    assert "modules already updated" in str(e.value) and "model.layers.2.mlp.up_proj" in str(e.value)
     ref_a, ref_b = layerwise.load_model(a).state_dict(), layerwise.load_model(b).state_dict()
     for name, t in model.named_parameters():  # deduplicated: a tied lm_head is embed_tokens
         layer = name.rsplit(".", 1)[0]

@@ -1,15 +1,47 @@
-"""Layerwise load and reload machinery, named as in vLLM's model_loader/reload package."""
+"""Layerwise load and reload machinery, named as in vLLM's model_loader/reload package.
+
+Modules: ``types`` (LayerReloadingInfo, ReloadSession, element-interval coverage), ``counting``
+(what a weight loader writes, measured on the meta device), ``meta`` (moving a module between
+kernel format and checkpoint format on meta), ``session`` (initialize / online_process_loader /
+finalize / abort, and the ``layerwise_session`` context manager), ``kernel_format`` (copying
+kernel-format tensors in place).
+
+Guarantees, and the limits that come with them (code that enforces one says "Limitations N"):
+
+1. Coverage is exact per element: every loader call is replayed on the meta parameter and the
+   regions it writes are recorded, so a region written twice or never is an error naming the
+   parameter. Cost: one meta-device run of each loader (no data), and a loader must write through
+   ``copy_`` / ``fill_`` / ``zero_`` to be seen.
+2. Tensors of a module still waiting for its other tensors are buffered on the CPU, never on the
+   device. A stream that scatters one module's tensors far apart holds them in host memory until
+   the module completes (``peak_buffered_bytes`` reports it); there is no bound on that host memory.
+3. On a reload, modules absent from the stream keep their values (partial updates); a module that
+   received part of its elements is an error. A first load must provide every element.
+4. Failure leaves the model usable: a failed reload restores every module not yet overwritten and
+   lists the overwritten ones (``ReloadError.updated_modules``); ``atomic=True`` stages everything
+   and commits at the end, at the cost of the processed size of the streamed modules in device
+   memory. A failed first load leaves the model on the meta device (nothing half-written to use).
+5. The state lives on the modules (``module._layerwise_info``, ``model._layerwise_session``), never
+   in a module-level registry, so a deleted model is freed by the garbage collector.
+6. Tied parameters are one module (the LM head *is* embed_tokens), so they are loaded and
+   reloaded once; a checkpoint's separate ``lm_head.weight`` is skipped when tied.
+7. One session per model at a time; sessions are not thread-safe.
+8. The first load materializes each module with fresh allocations; reloads reuse nothing either
+   (each module is materialized anew, then copied into the kernel tensors).
+"""
 
 from layerwise.reload.session import (
+    abort_layerwise_reload,
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,
+    layerwise_session,
     online_process_loader,
     record_metadata_for_reloading,
 )
 from layerwise.reload.types import LayerReloadingInfo
 
 __all__ = [
-    "LayerReloadingInfo", "finalize_layerwise_reload", "get_layerwise_info", "initialize_layerwise_reload",
-    "online_process_loader", "record_metadata_for_reloading",
+    "LayerReloadingInfo", "abort_layerwise_reload", "finalize_layerwise_reload", "get_layerwise_info",
+    "initialize_layerwise_reload", "layerwise_session", "online_process_loader", "record_metadata_for_reloading",
 ]

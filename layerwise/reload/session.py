@@ -1,50 +1,50 @@
-"""Layerwise loading and reloading: buffer each layer's loads, then materialize, replay, quantize.
+"""Layerwise loading and reloading: buffer each module's loads, then materialize, replay, quantize.
 
-The sequence and names follow vLLM (model_loader/reload/layerwise.py):
+The sequence and names follow vLLM (model_loader/reload/layerwise.py). In vLLM's names a "layer"
+is any module with parameters of its own; the prose here calls it a *module* (qkv_proj, norm,
+embed_tokens) and keeps *decoder layer* for the repeated block.
 
     record_metadata_for_reloading(model)      once, while the model's parameters are on meta
     initialize_layerwise_reload(model)        kernel tensors set aside, meta params + wrapped loaders
     model.load_weights(weights)               each loader call is buffered by online_process_loader;
-                                              a layer whose elements are all written is processed:
+                                              a module whose elements are all written is processed:
                                               materialize -> replay -> process_weights_after_loading
                                               -> copy into the kernel tensors (reload) -> drop buffers
-    finalize_layerwise_reload(model)          untouched layers get their kernel tensors back;
-                                              incomplete layers are an error naming the parameters
+    finalize_layerwise_reload(model)          untouched modules get their kernel tensors back;
+                                              incomplete modules are an error naming the parameters
 
-Where this goes beyond vLLM: coverage is checked per element region (a double write cannot
-mask a missing region), buffered tensors are kept off the device, a failed reload restores every
-layer it has not yet overwritten and says which ones it has (or, with ``atomic=True``, changes
-nothing at all), and tied parameters are one module, hence one layer.
+:func:`layerwise_session` wraps initialize / finalize-or-abort for load, reload and weight sync.
+Where this goes beyond vLLM, and what it does not do, is listed in ``layerwise/reload/__init__.py``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
-from layerwise.kernels import NonFiniteError
-from layerwise.kernels.reference import amax
 from layerwise.errors import (DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError,
                               ReloadError)
+from layerwise.kernels import has_non_finite
+from layerwise.quant.base import check_finite
+from layerwise.quant.parameters import ModelWeightParameter
 from layerwise.reload.counting import record_loader_writes, written_numel
 from layerwise.reload.meta import layer_tensors, materialize_layer, restore_layer_on_meta, set_layer_tensors
 from layerwise.reload.types import BufferedLoad, LayerReloadingInfo, ReloadSession, coverage
-from layerwise.quant.base import check_finite
-from layerwise.quant.parameters import ModelWeightParameter
 
 # The state lives on the modules themselves, never in a module-level registry: an info holds its
-# layer's bound weight loaders, so a registry keyed by the layer (even a WeakKeyDictionary) would
-# keep every loaded model alive forever. On the module, the references form a cycle that the
-# garbage collector frees with the model.
-_INFO_ATTR = "_layerwise_info"  # on each layer with parameters: its LayerReloadingInfo
+# module's bound weight loaders, so a registry keyed by the module (even a WeakKeyDictionary) would
+# keep every loaded model alive forever (Limitations 5). On the module, the references form a cycle
+# that the garbage collector frees with the model.
+_INFO_ATTR = "_layerwise_info"  # on each module with parameters: its LayerReloadingInfo
 _SESSION_ATTR = "_layerwise_session"  # on the model, between initialize and finalize/abort
 
 
-def get_layerwise_info(layer: nn.Module) -> Optional[LayerReloadingInfo]:
-    """The LayerReloadingInfo recorded for ``layer``, or None if it has no parameters of its own."""
-    return layer.__dict__.get(_INFO_ATTR)
+def get_layerwise_info(module: nn.Module) -> Optional[LayerReloadingInfo]:
+    """The LayerReloadingInfo recorded for ``module``, or None if it has no parameters of its own."""
+    return module.__dict__.get(_INFO_ATTR)
 
 
 def _session(model: nn.Module) -> Optional[ReloadSession]:
@@ -55,8 +55,8 @@ def _end_session(model: nn.Module) -> Optional[ReloadSession]:
     return model.__dict__.pop(_SESSION_ATTR, None)
 
 
-def _layers(model: nn.Module):
-    """(prefix, layer, info) for every layer with recorded metadata; a tied module appears once."""
+def _modules(model: nn.Module):
+    """(prefix, module, info) for every module with recorded metadata; a tied module appears once."""
     for prefix, module in model.named_modules():
         info = get_layerwise_info(module)
         if info is not None:
@@ -90,14 +90,14 @@ def record_metadata_for_reloading(model: nn.Module) -> None:
 
 def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device] = None,
                                 atomic: bool = False) -> ReloadSession:
-    """Put every layer in checkpoint format on meta and wrap its loaders with online_process_loader.
+    """Put every module in checkpoint format on meta and wrap its loaders with online_process_loader.
 
     Args:
         model: a model whose metadata was recorded.
-        device: where layers are materialized; defaults to the device of the kernel tensors.
-        atomic: stage processed layers and write them into the kernel tensors only at finalize
-            (costs, on the device, the processed size of every layer in the stream: up to the whole
-            model's kernel-tensor bytes for a full reload).
+        device: where modules are materialized; defaults to the device of the kernel tensors.
+        atomic: stage processed modules and write them into the kernel tensors only at finalize
+            (costs, on the device, the processed size of every module in the stream: up to the
+            whole model's kernel-tensor bytes for a full reload).
     Returns:
         the session.
     Raises:
@@ -105,52 +105,52 @@ def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device]
     """
     if _session(model) is not None:
         raise RuntimeError("a layerwise load/reload is already in progress on this model")
-    layers = {}
+    modules = {}
     first_load = True
-    for prefix, layer, info in _layers(model):
-        current = layer_tensors(layer)
+    for prefix, module, info in _modules(model):
+        current = layer_tensors(module)
         is_meta = all(t.device.type == "meta" for t in current.values())
         info.kernel_tensors = {} if is_meta else current
         if not is_meta:
             first_load = False
             device = device or next(iter(current.values())).device
-        layers[prefix] = layer
-    if not layers:
-        raise RuntimeError("no layer metadata recorded: call record_metadata_for_reloading(model) first")
+        modules[prefix] = module
+    if not modules:
+        raise RuntimeError("no metadata recorded: call record_metadata_for_reloading(model) first")
     if device is None:
         raise RuntimeError("device is required when loading a model that is still on the meta device")
-    session = ReloadSession(device=torch.device(device), layers=layers, first_load=first_load, atomic=atomic)
-    for layer in layers.values():
-        info = get_layerwise_info(layer)
+    session = ReloadSession(device=torch.device(device), modules=modules, first_load=first_load, atomic=atomic)
+    for module in modules.values():
+        info = get_layerwise_info(module)
         info.reset()
         info.session = session
-        restore_layer_on_meta(layer, info)
+        restore_layer_on_meta(module, info)
         for name, meta_param in info.restore_metadata.items():
-            meta_param.weight_loader = online_process_loader(layer, info, name)
+            meta_param.weight_loader = online_process_loader(module, info, name)
     model.__dict__[_SESSION_ATTR] = session
     return session
 
 
-def online_process_loader(layer: nn.Module, info: LayerReloadingInfo, param_name: str) -> Callable:
-    """Wrap the weight loader of ``layer.<param_name>`` for a layerwise load.
+def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_name: str) -> Callable:
+    """Wrap the weight loader of ``module.<param_name>`` for a layerwise load.
 
-    The returned loader runs the original one on the meta parameter to learn which elements it
-    writes, buffers the call (tensor kept on CPU), adds to ``info.load_numel``, and once
-    ``load_numel`` reaches ``load_numel_total`` processes the layer.
+    The returned ``loader(param, loaded_weight, shard_id=None, *, key=None)`` runs the original
+    loader on the meta parameter to learn which elements it writes, buffers the call (tensor kept on
+    CPU) with its checkpoint ``key`` (for error messages), adds to ``info.load_numel``, and once
+    ``load_numel`` reaches ``load_numel_total`` processes the module.
     """
     original = info.weight_loaders[param_name]
     meta_param = info.restore_metadata[param_name]
 
-    def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None, *, key: Optional[str] = None):
         session = info.session  # always set: loaders are wrapped only inside a session
-        key = session.current_key
         if info.done:
-            raise DuplicateWeightError(f"layer {info.prefix} was already loaded in this session; "
+            raise DuplicateWeightError(f"module {info.prefix} was already loaded in this session; "
                                        f"{info.prefix}.{param_name} is written again", key=key)
         writes = record_loader_writes(original, meta_param, loaded_weight, shard_id)
         numel = written_numel(writes)
         completes = info.load_numel + numel >= info.load_numel_total
-        if not completes and loaded_weight.device.type != "cpu":
+        if not completes and loaded_weight.device.type != "cpu":  # Limitations 2: buffers stay on CPU
             loaded_weight = loaded_weight.to("cpu")
         info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key))
         info.writes[param_name].extend(writes)
@@ -158,7 +158,7 @@ def online_process_loader(layer: nn.Module, info: LayerReloadingInfo, param_name
         session.buffered_bytes += loaded_weight.numel() * loaded_weight.element_size()
         session.peak_buffered_bytes = max(session.peak_buffered_bytes, session.buffered_bytes)
         if completes:
-            _process_layer(layer, info)
+            _process_module(module, info, key)
 
     return loader
 
@@ -176,42 +176,42 @@ def _coverage_problems(info: LayerReloadingInfo) -> tuple[list[str], list[str]]:
 
 def _find_non_finite_key(info: LayerReloadingInfo) -> Optional[str]:
     for buffered in info.loaded_weights:
-        w = buffered.loaded_weight
-        if w.is_floating_point() and not bool(torch.isfinite(amax(w))):
+        if has_non_finite(buffered.loaded_weight):
             return buffered.key
     return None
 
 
-def _process_layer(layer: nn.Module, info: LayerReloadingInfo) -> None:
+def _process_module(module: nn.Module, info: LayerReloadingInfo, key: Optional[str]) -> None:
+    """Materialize -> replay -> process_weights_after_loading -> commit or stage (``key``: the
+    checkpoint key whose load completed the module, named by coverage errors)."""
     session = info.session
     missing, doubled = _coverage_problems(info)
-    if doubled:
-        raise DuplicateWeightError("double write: " + "; ".join(doubled + missing), key=session.current_key)
+    if doubled:  # Limitations 1: exact regions, so a double write cannot hide a missing one
+        raise DuplicateWeightError("double write: " + "; ".join(doubled + missing), key=key)
     if missing:  # load_numel reached the total although regions are missing: cannot happen without doubles
-        raise MissingWeightError("incomplete layer: " + "; ".join(missing), key=session.current_key)
-    materialize_layer(layer, info, session.device)
+        raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
+    materialize_layer(module, info, session.device)
     for buffered in info.loaded_weights:
-        info.weight_loaders[buffered.param_name](layer._parameters[buffered.param_name], buffered.loaded_weight,
+        info.weight_loaders[buffered.param_name](module._parameters[buffered.param_name], buffered.loaded_weight,
                                                  buffered.shard_id)
     try:
-        quant_method = getattr(layer, "quant_method", None)
+        quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
-            quant_method.process_weights_after_loading(layer)
+            quant_method.process_weights_after_loading(module)
         else:
-            check_finite(layer)
-    except NonFiniteError as e:
-        bad = _find_non_finite_key(info)
-        restore_layer_on_meta(layer, info)
-        raise NonFiniteWeightError(f"non-finite value (NaN or Inf) in a weight of layer {info.prefix}: {e}",
-                                   key=bad) from e
-    processed = layer_tensors(layer)
+            check_finite(module)
+    except NonFiniteWeightError as e:
+        restore_layer_on_meta(module, info)
+        raise NonFiniteWeightError(f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
+                                   key=_find_non_finite_key(info)) from e
+    processed = layer_tensors(module)
     if info.kernel_tensors:
         _check_kernel_format(info, processed)
         if session.atomic:
             info.staged = processed
-            restore_layer_on_meta(layer, info)
+            restore_layer_on_meta(module, info)
         else:
-            _commit(layer, info, processed)
+            _commit(module, info, processed)
     session.buffered_bytes -= sum(b.loaded_weight.numel() * b.loaded_weight.element_size()
                                   for b in info.loaded_weights)
     info.loaded_weights = []
@@ -221,25 +221,25 @@ def _process_layer(layer: nn.Module, info: LayerReloadingInfo) -> None:
 
 def _check_kernel_format(info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
     if set(processed) != set(info.kernel_tensors):
-        raise LayerwiseError(f"layer {info.prefix}: processing produced {sorted(processed)}, "
+        raise LayerwiseError(f"module {info.prefix}: processing produced {sorted(processed)}, "
                              f"but the live model holds {sorted(info.kernel_tensors)}")
     for name, new in processed.items():
         old = info.kernel_tensors[name]
         if new.shape != old.shape or new.dtype != old.dtype:
-            raise LayerwiseError(f"layer {info.prefix}.{name}: processed {new.dtype}{tuple(new.shape)} does not "
+            raise LayerwiseError(f"{info.prefix}.{name}: processed {new.dtype}{tuple(new.shape)} does not "
                                  f"fit the kernel tensor {old.dtype}{tuple(old.shape)}")
 
 
-def _commit(layer: nn.Module, info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
+def _commit(module: nn.Module, info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
     """Copy processed values into the kernel tensors' storage and put those objects back."""
     with torch.no_grad():
         for name, new in processed.items():
             info.kernel_tensors[name].copy_(new)
-    set_layer_tensors(layer, info.kernel_tensors)
+    set_layer_tensors(module, info.kernel_tensors)
 
 
 def _close(info: LayerReloadingInfo) -> None:
-    """Unwrap the layer's loaders and forget the session's state for it."""
+    """Unwrap the module's loaders and forget the session's state for it."""
     for name, meta_param in info.restore_metadata.items():
         meta_param.weight_loader = info.weight_loaders[name]
     info.reset()
@@ -249,8 +249,8 @@ def _close(info: LayerReloadingInfo) -> None:
 def abort_layerwise_reload(model: nn.Module) -> list[str]:
     """End a session after an error, leaving the model usable.
 
-    Every layer whose kernel tensors were not overwritten gets them back unchanged; staged values
-    (atomic) are dropped. Returns the prefixes of the layers that were already overwritten (always
+    Every module whose kernel tensors were not overwritten gets them back unchanged; staged values
+    (atomic) are dropped. Returns the prefixes of the modules that were already overwritten (always
     empty for an atomic session). On a first load there is nothing to restore and the model stays
     on meta.
     """
@@ -258,53 +258,75 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     if session is None:
         return []
     updated = []
-    for prefix, layer in session.layers.items():
-        info = get_layerwise_info(layer)
+    for prefix, module in session.modules.items():
+        info = get_layerwise_info(module)
         if info.kernel_tensors:
             if info.done and not session.atomic:
                 updated.append(prefix)
-            set_layer_tensors(layer, info.kernel_tensors)
+            set_layer_tensors(module, info.kernel_tensors)
         _close(info)
     return updated
 
 
 def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
-    """Close the session: check completeness, commit staged layers, restore untouched layers.
+    """Close the session: check completeness, commit staged modules, restore untouched modules.
 
     Returns:
-        the finished session (``processed`` lists the layers that were updated).
+        the finished session (``processed`` lists the modules that were updated).
     Raises:
-        MissingWeightError: a layer received some but not all of its elements (or, on a first load,
-            none); the message names each parameter and how many elements are missing. After a
-            reload the model is left usable (see :func:`abort_layerwise_reload`) and the error is a
-            ReloadError subclass instance listing ``updated_layers``.
+        MissingWeightError: a module received some but not all of its elements (or, on a first
+            load, none); the message names each parameter and how many elements are missing. After
+            a reload the model is left usable (see :func:`abort_layerwise_reload`) and the error is
+            a ReloadError subclass instance listing ``updated_modules``.
     """
     session = _session(model)
     if session is None:
         raise RuntimeError("no layerwise load/reload in progress on this model")
     problems = []
-    for prefix, layer in session.layers.items():
-        info = get_layerwise_info(layer)
+    for module in session.modules.values():
+        info = get_layerwise_info(module)
         if info.done:
             continue
-        if info.load_numel or session.first_load:
+        if info.load_numel or session.first_load:  # Limitations 3: absent modules are kept on a reload
             missing, doubled = _coverage_problems(info)
             problems.extend(doubled + missing)
     if problems:
         updated = abort_layerwise_reload(model)
         if session.first_load:
             raise MissingWeightError("checkpoint does not provide: " + "; ".join(problems))
-        raise _MissingOnReload("reload incomplete: " + "; ".join(problems), updated_layers=updated)
-    for prefix, layer in session.layers.items():
-        info = get_layerwise_info(layer)
+        raise _MissingOnReload("reload incomplete: " + "; ".join(problems), updated_modules=updated)
+    for module in session.modules.values():
+        info = get_layerwise_info(module)
         if info.staged:
-            _commit(layer, info, info.staged)
+            _commit(module, info, info.staged)
         elif info.kernel_tensors and not info.done:
-            set_layer_tensors(layer, info.kernel_tensors)
+            set_layer_tensors(module, info.kernel_tensors)
         _close(info)
     _end_session(model)
     return session
 
 
+@contextlib.contextmanager
+def layerwise_session(model: nn.Module, *, device: Optional[torch.device] = None,
+                      atomic: bool = False) -> Iterator[ReloadSession]:
+    """initialize -> (the caller streams weights) -> finalize, or abort on any error.
+
+    The one session sequence that load, reload and weight sync share (vLLM's start / update /
+    finish). On an error inside the block the session is aborted (every module not yet overwritten
+    keeps its kernel tensors) and ``session.updated_before_abort`` lists the modules that were
+    overwritten; the error propagates unchanged. Errors of finalize itself abort the same way.
+
+    Raises:
+        RuntimeError: a session is already open on ``model`` (see initialize_layerwise_reload).
+    """
+    session = initialize_layerwise_reload(model, device=device, atomic=atomic)
+    try:
+        yield session
+    except BaseException:
+        session.updated_before_abort = abort_layerwise_reload(model)
+        raise
+    finalize_layerwise_reload(model)
+
+
 class _MissingOnReload(ReloadError, MissingWeightError):
-    """A reload ended with a layer only partly written."""
+    """A reload ended with a module only partly written."""

@@ -1,4 +1,4 @@
-"""Per-layer and per-session state of a layerwise load or reload."""
+"""Per-module and per-session state of a layerwise load or reload (vLLM's LayerReloadingInfo)."""
 
 from __future__ import annotations
 
@@ -26,22 +26,22 @@ class BufferedLoad:
 
 @dataclass
 class LayerReloadingInfo:
-    """State of one layer (a module with direct parameters) across a load or reload.
+    """State of one module with parameters of its own (vLLM's "layer") across a load or reload.
 
     Attributes:
-        prefix: the layer's dotted name in the model ("model.layers.0.self_attn.qkv_proj").
-        restore_metadata: the layer's checkpoint-format parameters on the meta device, recorded
+        prefix: the module's dotted name in the model ("model.layers.0.self_attn.qkv_proj").
+        restore_metadata: the module's checkpoint-format parameters on the meta device, recorded
             once when the model is created (they cost no memory and carry the typed loaders).
         weight_loaders: the original (unwrapped) weight_loader of each of those parameters.
-        load_numel_total: elements the checkpoint must write for the layer to be complete.
+        load_numel_total: elements the checkpoint must write for the module to be complete.
         load_numel: elements written so far in this load (counted on the meta device).
         writes: per parameter, the flat [start, stop) element intervals written so far, so
             coverage can be checked exactly (a double write cannot hide a missing region).
-        loaded_weights: the buffered loader calls, replayed once the layer is complete.
-        kernel_tensors: the layer's processed parameters and buffers from the previous load, whose
+        loaded_weights: the buffered loader calls, replayed once the module is complete.
+        kernel_tensors: the module's processed parameters and buffers from the previous load, whose
             storage a reload writes into (empty during the first load).
         staged: processed values waiting for an atomic reload to commit them.
-        done: the layer was completed and processed in the current session.
+        done: the module was completed and processed in the current session.
     """
 
     prefix: str
@@ -70,23 +70,24 @@ class ReloadSession:
     """State of one load or reload of a whole model (between initialize and finalize).
 
     Attributes:
-        device: where the layers are materialized.
-        layers: prefix -> layer, for every layer with a LayerReloadingInfo.
+        device: where the modules are materialized.
+        modules: prefix -> module, for every module with a LayerReloadingInfo.
         first_load: True while loading into a model created on the meta device.
-        atomic: processed layers are staged and committed only at finalize.
-        current_key: the checkpoint key being loaded (for error messages).
-        processed: prefixes of the layers completed so far, in order.
+        atomic: processed modules are staged and committed only at finalize.
+        processed: prefixes of the modules completed so far, in order.
+        updated_before_abort: after an abort, the modules whose kernel tensors had already been
+            overwritten (set by :func:`layerwise.reload.session.layerwise_session`).
         buffered_bytes / peak_buffered_bytes: bytes of checkpoint tensors held in buffers (on CPU)
-            by incomplete layers, now and at most during this session (memory-mapped views count,
+            by incomplete modules, now and at most during this session (memory-mapped views count,
             though they cost only page cache).
     """
 
     device: torch.device
-    layers: dict[str, nn.Module]
+    modules: dict[str, nn.Module]
     first_load: bool
     atomic: bool = False
-    current_key: Optional[str] = None
     processed: list[str] = field(default_factory=list)
+    updated_before_abort: list[str] = field(default_factory=list)
     buffered_bytes: int = 0
     peak_buffered_bytes: int = 0
 

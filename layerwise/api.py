@@ -1,0 +1,275 @@
+"""The public calls: load a checkpoint layer by layer (``load_model``) and reload it in place
+(``reload_weights``), with the reports they return."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from layerwise.checkpoint import Checkpoint, group_name
+from layerwise.config import ModelConfig
+from layerwise.dtypes import parse_dtype
+from layerwise.errors import LayerwiseError, ReloadError, WeightShapeError
+from layerwise.kernels import resolve_kernel
+from layerwise.memory import DeviceMemoryTracker, tensor_bytes
+from layerwise.quant.config import QuantConfig
+from layerwise.registry import get_model_class
+from layerwise.reload.kernel_format import copy_kernel_tensors
+from layerwise.reload.session import layerwise_session, record_metadata_for_reloading
+from layerwise.routing import stream_weights
+
+Weights = Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class LoadReport:
+    """What a load did and cost. Bytes are bytes, seconds are wall-clock seconds.
+
+    Attributes:
+        num_layers: decoder layers of the model.
+        peak_bytes: peak live tensor bytes on the device during the load (DeviceMemoryTracker).
+        model_bytes: bytes of the loaded model's parameters and buffers on the device.
+        largest_layer_checkpoint_bytes: checkpoint bytes of the largest load group (one decoder
+            layer, or one top-level module such as embed_tokens or lm_head).
+        overhead_per_layer: (peak_bytes - model_bytes) / largest_layer_checkpoint_bytes.
+    """
+
+    architecture: str
+    num_layers: int
+    device: str
+    quantization: str
+    kernel: str
+    dtype: str
+    checkpoint_bytes: int
+    model_bytes: int
+    largest_layer_checkpoint_bytes: int
+    peak_bytes: int
+    seconds: float
+    memory_tracker: str
+    peak_rss_anon_bytes: int = 0
+    peak_buffered_bytes: int = 0
+    timeline: list = field(default_factory=list, repr=False)
+
+    @property
+    def overhead_per_layer(self) -> float:
+        return (self.peak_bytes - self.model_bytes) / max(1, self.largest_layer_checkpoint_bytes)
+
+    def to_dict(self, with_timeline: bool = False) -> dict:
+        d = asdict(self)
+        if not with_timeline:
+            d.pop("timeline")
+        d["overhead_per_layer"] = self.overhead_per_layer
+        return d
+
+
+@dataclass
+class ReloadReport:
+    """What a reload changed.
+
+    Attributes:
+        updated_modules: prefixes of the modules (with parameters of their own) whose kernel
+            tensors received new values, e.g. "model.layers.0.self_attn.qkv_proj"; for a
+            kernel-format reload, the parameter and buffer names written.
+        seconds: wall-clock duration.
+        peak_buffered_bytes: most bytes of incoming tensors held (on CPU) by modules waiting for
+            their remaining tensors; 0 for a stream that arrives one whole module at a time on CPU
+            memory it already owns (memory-mapped checkpoint views are counted too).
+    """
+
+    updated_modules: list = field(default_factory=list)
+    seconds: float = 0.0
+    peak_buffered_bytes: int = 0
+
+    @property
+    def updated_decoder_layers(self) -> list[int]:
+        """Indices of the decoder layers at least one of whose modules was updated."""
+        return sorted({int(p.split(".")[2]) for p in self.updated_modules if p.startswith("model.layers.")})
+
+
+class _Progress:
+    """A tqdm bar over the checkpoint's load groups (decoder layers, embeddings, norm, head)."""
+
+    def __init__(self, groups: dict[str, int], enabled: bool):
+        self.bar, self.current = None, None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(groups), unit="group", desc="loading")
+
+    def on_tensor(self, key: str) -> None:
+        group = group_name(key)
+        if self.bar is not None and group != self.current:
+            if self.current is not None:
+                self.bar.update(1)
+            self.bar.set_postfix_str(group)
+        self.current = group
+
+    def close(self, completed: bool) -> None:
+        if self.bar is not None:
+            if completed:
+                self.bar.update(1)
+            self.bar.close()
+
+
+def load_model_with_report(path: str | os.PathLike, quantization: Optional[str] = "fp8", device="cpu",
+                           dtype=None, kernel: Optional[str] = None, fp8_mode: str = "auto",
+                           progress: bool = False, track_memory: bool = True) -> tuple[nn.Module, LoadReport]:
+    """Like :func:`load_model`, and also returns the :class:`LoadReport`.
+
+    Args:
+        progress: show a tqdm progress bar over the load groups on stderr.
+        track_memory: measure the peak with :class:`DeviceMemoryTracker` (on CPU its dispatch mode
+            adds Python work to every tensor operation; with False, peak_bytes is reported as -1).
+    """
+    start = time.perf_counter()
+    ckpt = Checkpoint(path)
+    config = ModelConfig.from_dict(ckpt.config)
+    arch, model_cls = get_model_class(config, os.path.join(ckpt.path, "config.json"))
+    device = torch.device(device)
+    params_dtype = parse_dtype(dtype) or config.dtype or torch.bfloat16
+    quant_config = QuantConfig(quantization, resolve_kernel(kernel, device), fp8_mode)
+    groups = ckpt.group_bytes()
+    bar = _Progress(groups, progress)
+    tracker = DeviceMemoryTracker(device) if track_memory else contextlib.nullcontext()
+    completed = False
+    with tracker:
+        with torch.device("meta"):
+            model = model_cls(config, quant_config, params_dtype, device)
+        record_metadata_for_reloading(model)
+        try:
+            with layerwise_session(model, device=device) as session:
+                stream_weights(model, ckpt, ckpt.file_of, bar.on_tensor)
+            completed = True
+        finally:
+            bar.close(completed)
+            ckpt.close()
+    model.eval()
+    report = LoadReport(
+        architecture=arch, num_layers=config.num_hidden_layers, device=str(device),
+        quantization=quant_config.scheme, kernel=quant_config.kernel, dtype=str(params_dtype).replace("torch.", ""),
+        checkpoint_bytes=ckpt.total_bytes, model_bytes=tensor_bytes(model, device),
+        largest_layer_checkpoint_bytes=max(groups.values()),
+        peak_bytes=tracker.peak_bytes if track_memory else -1,
+        seconds=time.perf_counter() - start, memory_tracker=tracker.method if track_memory else "none",
+        peak_rss_anon_bytes=tracker.peak_rss_anon_bytes if track_memory else 0,
+        peak_buffered_bytes=session.peak_buffered_bytes, timeline=tracker.timeline if track_memory else [])
+    return model, report
+
+
+def load_model(path: str | os.PathLike, quantization: Optional[str] = "fp8", device="cpu", dtype=None,
+               kernel: Optional[str] = None, fp8_mode: str = "auto") -> nn.Module:
+    """Load a Hugging Face checkpoint layer by layer, quantizing decoder Linear weights on the fly.
+
+    Modules are built on the meta device; each is materialized on ``device`` only once all of
+    its checkpoint tensors have arrived, then quantized, so the device holds the final model plus
+    about one module in the checkpoint dtype at any time.
+
+    Args:
+        path: directory with config.json and *.safetensors (model.safetensors or an index.json).
+        quantization: a scheme (case-insensitive): "fp8" (= "fp8-per-tensor": float8_e4m3fn
+            weights, float32 per-tensor ``weight_scale``), "fp8-per-channel", "fp8-per-block",
+            "torchao:<Config>", or None / "none" (checkpoint dtype, or ``dtype``).
+        device: target device ("cpu", "cuda", "cuda:1", torch.device).
+        dtype: dtype of unquantized parameters (embeddings, norms, lm_head, and all Linear weights
+            with quantization none): torch.dtype or name; default: config.json's dtype, else bf16.
+        kernel: "torch" or "triton" for the FP8 quantization kernels; None = triton on CUDA,
+            torch on CPU. "triton" on CPU runs Triton's interpreter (slow; for testing).
+        fp8_mode: forward of FP8 layers: "auto" (W8A8 via torch._scaled_mm on CUDA sm89+, W8A16
+            elsewhere), "w8a8" (also on CPU, slowly), or "w8a16" (dequantize, then matmul).
+    Returns:
+        the model in eval mode; ``model(input_ids [B, T]) -> logits [B, T, vocab]``.
+    Raises:
+        CheckpointError: unusable directory (no config.json, missing or truncated shard, bad index).
+        UnsupportedArchitectureError: config.json names no supported architecture.
+        UnexpectedWeightError / WeightShapeError / NonFiniteWeightError / MissingWeightError /
+        DuplicateWeightError: a bad tensor; the error names the tensor key and file.
+        ValueError: an unknown scheme, dtype, kernel or fp8_mode.
+        MissingDependencyError: a torchao scheme without torchao.
+    """
+    return load_model_with_report(path, quantization, device, dtype, kernel, fp8_mode, track_memory=False)[0]
+
+
+def _open_weights(model: nn.Module, weights: Weights):
+    if isinstance(weights, (str, os.PathLike)):
+        ckpt = Checkpoint(weights)
+        config = ModelConfig.from_dict(ckpt.config)
+        own = model.config
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size", "head_dim"):
+            if getattr(config, name) != getattr(own, name):
+                raise WeightShapeError(f"checkpoint config {name}={getattr(config, name)} differs from the live "
+                                       f"model's {getattr(own, name)}", file=os.path.join(ckpt.path, "config.json"))
+        return ckpt, ckpt.file_of
+    return weights, None
+
+
+def _reload_error(e: LayerwiseError, updated: list) -> ReloadError:
+    note = f"modules already updated: {updated}" if updated else "no module was changed"
+    err = ReloadError(f"reload failed: {e.message}; {note}", updated_modules=updated, key=e.key, file=e.file)
+    err.cause = e
+    return err
+
+
+def reload_weights(model: nn.Module, weights: Weights, *, is_checkpoint_format: bool = True,
+                   atomic: bool = False) -> ReloadReport:
+    """Reload weights into ``model`` in place: every parameter keeps its object, storage and data_ptr.
+
+    Args:
+        model: a model returned by :func:`layerwise.load_model`.
+        weights: a checkpoint directory, or any iterable of (name, tensor). Tensors may live on any
+            device; those waiting for the rest of their module are kept on the CPU.
+        is_checkpoint_format: True: Hugging Face names and dtype (e.g. BF16); each complete module
+            is re-quantized and copied into its kernel tensors. Modules absent from the stream are
+            left unchanged (partial updates). False: the model's own parameter names
+            (``model.named_parameters()``, e.g. ``...qkv_proj.weight`` in float8_e4m3fn and
+            ``...qkv_proj.weight_scale``), copied directly after a dtype/shape/finiteness check.
+        atomic: stage every processed module and write the kernel tensors only once the whole
+            stream has been checked. Extra device memory: the processed (kernel-format) size of
+            every module in the stream, i.e. up to the model's own size for a full reload. Without
+            it, the extra memory is about one module in the checkpoint dtype.
+    Returns:
+        a :class:`ReloadReport`.
+    Raises:
+        ReloadError: the stream named an unknown tensor, a wrong shape, a non-finite value, a region
+            twice, or left a module incomplete. Raised before the affected module's kernel tensors
+            are touched; ``updated_modules`` lists the modules already overwritten (none when
+            ``atomic``), every other module holds its previous values, and the model stays usable.
+            The original error is chained as ``__cause__`` and kept as ``cause``.
+    """
+    start = time.perf_counter()
+    try:
+        stream, file_of = _open_weights(model, weights)
+    except LayerwiseError as e:
+        raise _reload_error(e, []) from e
+    if not is_checkpoint_format:
+        updated: list = []
+        try:
+            copy_kernel_tensors(model, stream, atomic, updated)
+        except LayerwiseError as e:
+            raise _reload_error(e, [] if atomic else updated) from e
+        return ReloadReport(updated, time.perf_counter() - start, 0)
+    session = None
+    try:
+        with layerwise_session(model, atomic=atomic) as session:
+            stream_weights(model, stream, file_of)
+    except ReloadError:
+        raise  # finalize already restored the model and listed the updated modules
+    except LayerwiseError as e:
+        raise _reload_error(e, session.updated_before_abort if session else []) from e
+    return ReloadReport(list(session.processed), time.perf_counter() - start, session.peak_buffered_bytes)
+
+
+def model_digest(model: nn.Module) -> dict[str, str]:
+    """SHA-256 of the bytes of every parameter and buffer, by name (to prove what a reload changed)."""
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        out[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    return out
