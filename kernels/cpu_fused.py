@@ -12,6 +12,7 @@ used for tensors of at least ``FUSED_MIN_NUMEL`` elements; ``LAYERWISE_COMPILE=0
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -27,6 +28,10 @@ def _quantize_scalar(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _compiled():
+    # torch.compile is lazy: the work happens at the first call, which is what the notice announces
+    logging.getLogger(__name__).info(
+        "compiling the fused CPU FP8 quantize kernel with torch.compile (once per process; seconds on a warm "
+        "Inductor cache, up to a minute on a cold one; LAYERWISE_COMPILE=0 skips it)")
     return torch.compile(_quantize_scalar, dynamic=True)
 
 

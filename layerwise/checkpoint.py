@@ -47,6 +47,30 @@ def group_name(key: str) -> str:
     return key.rsplit(".", 1)[0]
 
 
+def _diagnose(path: str) -> Optional[str]:
+    """Why a safetensors file does not open, in words, when it is truncated: the file format is an
+    8-byte little-endian header length, a JSON header with each tensor's data_offsets, then the data."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"the file is truncated: {size} bytes, shorter than the 8-byte header length"
+        header_len = int.from_bytes(prefix, "little")
+        if 8 + header_len > size:
+            return (f"the file is truncated: {size} bytes, but its header alone needs {8 + header_len} "
+                    f"(an interrupted download or copy?)")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError:
+            return None
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and "data_offsets" in t]
+    expected = 8 + header_len + max(ends, default=0)
+    if size < expected:
+        return (f"the file is truncated: {size} bytes where its header describes {expected} "
+                f"(an interrupted download or copy?)")
+    return None
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Header facts of one checkpoint tensor: file (basename), dtype name ("BF16"), shape, nbytes."""
@@ -71,6 +95,9 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        if os.path.isfile(self.path):
+            raise CheckpointError(f"{self.path} is a file; pass the checkpoint directory that holds config.json "
+                                  f"and the *.safetensors files", file=self.path)
         if not os.path.isdir(self.path):
             raise CheckpointError(f"checkpoint directory does not exist: {self.path}", file=self.path)
         config_path = os.path.join(self.path, CONFIG_NAME)
@@ -110,7 +137,7 @@ class Checkpoint:
             try:
                 handle = safe_open(full, framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"cannot open safetensors file: {e}", file=full) from e
+                raise CheckpointError(f"cannot open safetensors file: {_diagnose(full) or e}", file=full) from e
             self._handles[shard] = handle
         return handle
 

@@ -8,7 +8,8 @@ recaptured. On CPU the same step runs eagerly.
 
 from __future__ import annotations
 
-from typing import Optional
+import operator
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -86,23 +87,39 @@ class Engine:
         return self._logits
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: Union[Sequence[Sequence[int]], torch.Tensor],
+                 max_new_tokens: int) -> Union[list[list[int]], torch.Tensor]:
         """Greedy continuation of each prompt.
 
         Args:
-            prompts: up to ``max_batch_size`` lists of token ids, each non-empty.
-            max_new_tokens: tokens to generate per prompt.
+            prompts: up to ``max_batch_size`` prompts: a list of token-id lists (lengths may
+                differ), or a 2-D integer tensor [B, T] (every prompt T tokens, any device).
+            max_new_tokens: tokens to generate per prompt (>= 0).
         Returns:
-            one list of ``max_new_tokens`` new token ids per prompt.
+            for a list, one list of ``max_new_tokens`` new token ids per prompt; for a tensor, an
+            int64 tensor [B, max_new_tokens] on the prompts' device.
         Raises:
-            ValueError: too many prompts, an empty prompt, or prompt + new tokens > max_seq_len.
+            TypeError: prompts are neither a list of int lists nor an integer tensor.
+            ValueError: a tensor that is not 2-D, too many prompts, an empty prompt, a token id
+                outside the vocabulary, or prompt + new tokens > max_seq_len.
         """
-        if not 0 < len(prompts) <= self.max_batch_size:
-            raise ValueError(f"between 1 and {self.max_batch_size} prompts, got {len(prompts)}")
-        if any(len(p) == 0 for p in prompts):
+        as_tensor = isinstance(prompts, torch.Tensor)
+        token_lists = _prompt_lists(prompts)
+        vocab = self.model.config.vocab_size
+        if not 0 < len(token_lists) <= self.max_batch_size:
+            raise ValueError(f"between 1 and {self.max_batch_size} prompts, got {len(token_lists)}")
+        if any(len(p) == 0 for p in token_lists):
             raise ValueError("empty prompt")
-        if max(len(p) for p in prompts) + max_new_tokens > self.max_seq_len:
+        if any(not 0 <= t < vocab for p in token_lists for t in p):
+            raise ValueError(f"a token id is outside the vocabulary [0, {vocab})")
+        if max(len(p) for p in token_lists) + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt + {max_new_tokens} new tokens exceeds max_seq_len={self.max_seq_len}")
+        generated = self._generate(token_lists, max_new_tokens)
+        if as_tensor:
+            return torch.tensor(generated, dtype=torch.long, device=prompts.device).reshape(len(generated), -1)
+        return generated
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         if max_new_tokens <= 0:
             return [[] for _ in prompts]
         b = self.max_batch_size
@@ -125,3 +142,16 @@ class Engine:
     def reload_weights(self, weights: Weights, **kwargs) -> ReloadReport:
         """:func:`layerwise.reload_weights` on the engine's model; the captured graph stays valid."""
         return reload_weights(self.model, weights, **kwargs)
+
+
+def _prompt_lists(prompts) -> list[list[int]]:
+    """Prompts as lists of Python ints, from a list of int sequences or a 2-D integer tensor."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.is_floating_point() or prompts.is_complex():
+            raise ValueError(f"a prompt tensor must be a 2-D integer tensor [B, T], got {prompts.dtype} "
+                             f"of shape {tuple(prompts.shape)}")
+        return prompts.tolist()
+    try:
+        return [[operator.index(t) for t in p] for p in prompts]  # ints, numpy ints, 0-d int tensors
+    except TypeError as e:
+        raise TypeError(f"prompts must be a list of token-id lists (ints) or a 2-D integer tensor: {e}") from e
