@@ -3,8 +3,9 @@
 ``load_weights(module, weights)`` splits each key on dots and descends through ``named_children``.
 When a component names no child, the children's ``checkpoint_shards`` are consulted: a fused layer
 (qkv_proj, gate_up_proj) declares the checkpoint module names it absorbs and the shard_id of each.
-The last component names a parameter, whose own ``weight_loader(param, tensor, shard_id, key=key)``
-writes it; the key travels with the call (for error messages and the per-module buffers).
+The last component names a parameter, whose own ``weight_loader(param, tensor, shard_id)`` writes
+it; inside a layerwise session the loader is ``online_process_loader``'s wrapper and the checkpoint
+key travels with the call (``key=``), for error messages and the per-module buffers.
 ``stream_weights`` feeds a whole stream through a model's ``load_weights``, one tensor at a time.
 """
 
@@ -34,7 +35,11 @@ def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_i
             raise UnexpectedWeightError(
                 f"parameter {head!r} of {type(module).__name__} is in kernel format; reload with "
                 f"layerwise.reload_weights instead of calling load_weights directly", key=key)
-        loader(param, tensor, shard_id, key=key)  # inside a session: online_process_loader
+        info = get_layerwise_info(module)
+        if info is not None and info.session is not None:  # online_process_loader: buffers with the key
+            loader(param, tensor, shard_id, key=key)
+        else:  # a plain weight_loader (a model built on a real device, outside any session)
+            loader(param, tensor, shard_id)
         return
     child = module._modules.get(head)
     if child is not None:
