@@ -2,7 +2,11 @@
 
     python -m layerwise.benchmarks.readme [--results DIR] [--readme PATH] [--check]
 
-Rewrites only the text between ``<!-- results:begin ...-->`` and ``<!-- results:end -->`` in the README.
+Rewrites only the text between ``<!-- results:begin ...-->`` and ``<!-- results:end -->`` in the README,
+and the sample ``layerwise load`` output between ``<!-- demo:begin ...-->`` and ``<!-- demo:end -->``
+(from DEMO_FILE.json, the ``--report`` of ``layerwise load`` on the demo checkpoint, first load in a
+fresh process; refresh it with ``layerwise demo`` then ``layerwise load ~/.cache/layerwise/demo-qwen3-8l
+--report benchmarks/results/demo_load_cpu.json``).
 Every measured figure there (peaks, ratios, seconds, the machine, the checkpoint) is formatted from
 DIR/*.json; a sentence whose figures are missing from the JSON is left out. ``--check`` writes nothing
 and exits 1 when the README differs from what would be generated (stale figures).
@@ -25,6 +29,9 @@ END = "<!-- results:end -->"
 # the committed results the section is generated from, by benchmark
 FILES = {"peak_memory": "peak_memory_cpu_default", "reload_latency": "reload_latency_cpu_default",
          "quant_kernels": "quant_kernels_cpu"}
+DEMO_FILE = "demo_load_cpu"
+DEMO_BEGIN = re.compile(r"<!-- demo:begin.*?-->\n", re.DOTALL)
+DEMO_END = "<!-- demo:end -->"
 TARGET_TIME_OVER_FLOOR = 1.5  # the project's goal for layerwise load time / floor (a target, not a measurement)
 MIB = 2**20
 
@@ -178,16 +185,30 @@ def section(results: Path, readme: Path) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def render(text: str, new_section: str) -> str:
-    """``text`` (a README) with the part between the results markers replaced by ``new_section``.
+def demo_section(results: Path) -> str:
+    """The sample ``layerwise load`` output, formatted by the CLI's own ``format_report`` from the
+    LoadReport JSON in ``results``/DEMO_FILE.json."""
+    from dataclasses import fields
+
+    from layerwise.api import LoadReport
+    from layerwise.cli import format_report
+
+    data = json.loads((results / f"{DEMO_FILE}.json").read_text())
+    report = LoadReport(**{f.name: data[f.name] for f in fields(LoadReport) if f.name in data})
+    return ("```text\n$ layerwise load ~/.cache/layerwise/demo-qwen3-8l --report r.json\n"
+            f"{format_report(report)}\n```\n")
+
+
+def render(text: str, new_section: str, begin_re=BEGIN, end_mark: str = END) -> str:
+    """``text`` (a README) with the part between a pair of markers replaced by ``new_section``.
 
     Raises:
         ValueError: the markers are missing or out of order.
     """
-    begin = BEGIN.search(text)
-    end = text.find(END, begin.end()) if begin else -1
+    begin = begin_re.search(text)
+    end = text.find(end_mark, begin.end()) if begin else -1
     if end < 0:
-        raise ValueError(f"no '<!-- results:begin ... -->' line followed by '{END}'")
+        raise ValueError(f"no '{begin_re.pattern}' line followed by '{end_mark}'")
     return text[:begin.end()] + new_section + text[end:]
 
 
@@ -205,6 +226,7 @@ def main(argv=None) -> int:
     try:
         old = args.readme.read_text()
         new = render(old, section(args.results, args.readme))
+        new = render(new, demo_section(args.results), DEMO_BEGIN, DEMO_END)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
