@@ -12,10 +12,14 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 @dataclass
 class ModelConfig:
-    """Decoder-only transformer hyper-parameters (Llama / Qwen2 / Qwen3 family).
+    """Decoder-only transformer hyper-parameters (Llama / Qwen2 / Qwen3 / Mistral / Phi-3 family).
 
     Built with :meth:`from_dict`, which accepts both the transformers >= 5 layout
     (``rope_parameters``) and the older one (``rope_theta`` + ``rope_scaling``).
+
+    ``sliding_window`` and ``partial_rotary_factor`` are parsed for every architecture but used only
+    by the attention classes that declare them (Mistral, Phi-3); ``use_sliding_window: false``
+    (Qwen2/Qwen3 configs) parses as None.
     """
 
     architectures: list
@@ -32,6 +36,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    sliding_window: int | None = None
+    partial_rotary_factor: float = 1.0
     dtype: Optional[torch.dtype] = None
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -41,8 +47,12 @@ class ModelConfig:
         rope = dict(d.get("rope_parameters") or {})
         legacy_scaling = d.get("rope_scaling")
         rope_theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        partial_rotary_factor = rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
         scaling = legacy_scaling if legacy_scaling else rope
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type in ("llama3", "yarn", "longrope"):  # as transformers' standardize_rope_params
+            original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+            scaling = dict(scaling, original_max_position_embeddings=original or d.get("max_position_embeddings"))
         heads = d["num_attention_heads"]
         dtype_name = d.get("dtype") or d.get("torch_dtype")
         return cls(
@@ -60,6 +70,8 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            partial_rotary_factor=float(partial_rotary_factor if partial_rotary_factor is not None else 1.0),
             dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             raw=d,
         )

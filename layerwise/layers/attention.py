@@ -1,4 +1,9 @@
-"""Causal self-attention through torch's scaled_dot_product_attention, with an optional static KV cache."""
+"""Causal self-attention through torch's scaled_dot_product_attention, with an optional static KV cache.
+
+An optional ``sliding_window`` W (Mistral, Phi-3) restricts each query at position p to keys at
+positions in (p - W, p]: W keys including its own, the convention of transformers' masking_utils
+(``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``). None means full causal attention.
+"""
 
 from __future__ import annotations
 
@@ -12,32 +17,51 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Full causal attention with grouped-query heads.
+def _visible(q_pos: torch.Tensor, kv_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Boolean mask, True where a query at ``q_pos`` [..., T, 1] may attend to a key at ``kv_pos`` [L]."""
+    mask = kv_pos <= q_pos
+    if sliding_window is not None:
+        mask = mask & (kv_pos > q_pos - sliding_window)
+    return mask
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Full causal attention with grouped-query heads, over sequence indices 0..T-1.
 
     Args:
         q: [B, T, Hq, D]; k, v: [B, T, Hk, D] with Hq a multiple of Hk.
+        sliding_window: None, or the number of keys (own included) each query sees.
     Returns:
         [B, T, Hq * D] in q's dtype.
     """
     b, t, hq, d = q.shape
     groups = hq // k.shape[2]
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q, _expand_kv(k, groups), _expand_kv(v, groups), is_causal=True,
-                                         scale=scale)
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    if sliding_window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        idx = torch.arange(t, device=q.device)
+        mask = _visible(idx[:, None], idx, sliding_window)  # [T, T]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(b, t, hq * d)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
-    """Write k/v at ``positions`` into a static cache, then attend to every cached position <= own.
+                     kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Write k/v at ``positions`` into a static cache, then attend to every cached position <= own
+    (and, with ``sliding_window`` W, > own - W).
 
     Shapes are static (the cache length, not the sequence length, sets them) and nothing syncs
-    with the host, so a decode step built on this can be captured in a CUDA graph.
+    with the host, so a decode step built on this can be captured in a CUDA graph. The window is a
+    mask over the full-length cache, not a rolling buffer: the cache still holds max_seq_len positions.
 
     Args:
         q: [B, T, Hq, D]; k, v: [B, T, Hk, D]; positions: int64 [B, T].
         kv_cache: (k_cache, v_cache), each [B, L, Hk, D], written in place.
+        sliding_window: None, or the number of keys (own included) each query sees.
     Returns:
         [B, T, Hq * D] in q's dtype.
     """
@@ -47,7 +71,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     k_cache.index_put_((rows, positions), k)
     v_cache.index_put_((rows, positions), v)
     length = k_cache.shape[1]
-    mask = torch.arange(length, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, T, L]
+    mask = _visible(positions[:, :, None], torch.arange(length, device=q.device), sliding_window)  # [B, T, L]
     groups = hq // k_cache.shape[2]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), _expand_kv(k_cache.transpose(1, 2), groups),
                                          _expand_kv(v_cache.transpose(1, 2), groups), attn_mask=mask[:, None],
@@ -55,8 +79,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return out.transpose(1, 2).reshape(b, t, hq * d)
 
 
-def attention(q, k, v, positions, kv_cache: Optional[tuple], scale: float) -> torch.Tensor:
-    """Causal attention over the sequence itself (no cache) or over a static KV cache."""
+def attention(q, k, v, positions, kv_cache: Optional[tuple], scale: float,
+              sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention over the sequence itself (no cache) or over a static KV cache.
+
+    Shapes as in :func:`causal_attention` / :func:`cached_attention`; ``sliding_window`` as there.
+    """
     if kv_cache is None:
-        return causal_attention(q, k, v, scale)
-    return cached_attention(q, k, v, positions, kv_cache, scale)
+        return causal_attention(q, k, v, scale, sliding_window)
+    return cached_attention(q, k, v, positions, kv_cache, scale, sliding_window)

@@ -1,9 +1,12 @@
 """Rotary position embeddings (Su et al., RoFormer, 2021), "rotate half" layout as in transformers.
 
-Supports the default frequencies and Llama 3's ``rope_type: llama3`` scaling (the piecewise
-smoothing of transformers' ``_compute_llama3_parameters``). Frequencies are a non-persistent buffer
-created directly on the target device (they are not in checkpoints); cos/sin are computed per call
-in float32 from the positions.
+Supports the default frequencies, Llama 3's ``rope_type: llama3`` scaling (the piecewise
+smoothing of transformers' ``_compute_llama3_parameters``) and LongRoPE (Ding et al., 2024;
+``rope_type: longrope``, Phi-3 128k: short or long per-frequency factors, chosen per call as in
+transformers' ``longrope_frequency_update``). A partial rotary dimension (Phi-3's
+``partial_rotary_factor``) rotates the first ``rotary_dim`` features of each head and passes the rest.
+Frequencies are non-persistent buffers created directly on the target device (they are not in
+checkpoints); cos/sin are computed per call in float32 from the positions.
 """
 
 from __future__ import annotations
@@ -36,6 +39,37 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict, max_position_embeddings: int,
+                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE frequencies as transformers' ``_compute_longrope_parameters``.
+
+    Args:
+        scaling: short_factor and long_factor (lists of rotary_dim / 2 numbers),
+            original_max_position_embeddings, and optionally factor and attention_factor.
+    Returns:
+        (short inv_freq, long inv_freq) float32 [rotary_dim / 2], and the cos/sin multiplier
+        (attention_factor; default sqrt(1 + ln(factor) / ln(original)), factor defaulting to
+        max_position_embeddings / original).
+    Raises:
+        ValueError: a factor list of the wrong length.
+    """
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    powers = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(torch.float32)
+                       / rotary_dim)
+    freqs = []
+    for name in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[name], dtype=torch.float32, device=device)
+        if ext.shape != powers.shape:
+            raise ValueError(f"longrope {name} has {ext.numel()} entries, expected {powers.numel()} "
+                             f"(rotary_dim / 2)")
+        freqs.append(1.0 / (ext * powers))
+    return freqs[0], freqs[1], attention_factor
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -44,24 +78,50 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [B, T, Hq, D] and k [B, T, Hk, D] at positions [B, T] (int64).
 
+    Args:
+        rotary_dim: features rotated at the start of each head (default: all ``head_dim``).
+        max_position_embeddings: the config's value (LongRoPE's default ``factor`` is its ratio
+            to original_max_position_embeddings).
     Raises:
         ValueError: an unsupported ``rope_type``.
     """
 
-    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: Optional[dict], device: torch.device):
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: Optional[dict], device: torch.device, *,
+                 rotary_dim: int | None = None, max_position_embeddings: int | None = None):
         super().__init__()
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self.attention_factor = 1.0
+        self.original_max_position_embeddings = None  # set for longrope: longer sequences use long factors
         # Explicit device: the model is built under torch.device("meta"), but these frequencies are
         # computed, not loaded, so they are created where the model will run.
-        inv_freq = default_inv_freq(head_dim, rope_theta, device)
+        inv_freq = default_inv_freq(self.rotary_dim, rope_theta, device)
+        long_inv_freq = None
         rope_type = (rope_scaling or {}).get("rope_type", "default")
         if rope_type == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type == "longrope":
+            inv_freq, long_inv_freq, self.attention_factor = longrope_inv_freq(
+                self.rotary_dim, rope_theta, rope_scaling, max_position_embeddings, device)
+            self.original_max_position_embeddings = rope_scaling["original_max_position_embeddings"]
         elif rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
+            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, longrope)")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]          # [B, T, 1, D]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None:  # a 0-d device tensor decides: no host sync, CUDA-graph safe
+            is_long = positions.max() + 1 > self.original_max_position_embeddings
+            inv_freq = torch.where(is_long, self.long_inv_freq, self.inv_freq)
+        freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]     # [B, T, 1, R]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        r = self.rotary_dim
+        if r == q.shape[-1]:
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q_rot, k_rot = q[..., :r], k[..., :r]
+        return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q[..., r:]), dim=-1),
+                torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k[..., r:]), dim=-1))

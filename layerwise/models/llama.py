@@ -44,6 +44,7 @@ class LlamaAttention(nn.Module):
     """Grouped-query causal self-attention with rotary positions."""
 
     qkv_bias = None  # None: from config.attention_bias; Qwen2 forces True
+    uses_sliding_window = False  # True: attend to config.sliding_window keys at most (Mistral, Phi-3)
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
                  device: torch.device, prefix: str):
@@ -61,7 +62,16 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size,
             bias=config.attention_bias and self.qkv_bias is None,
             quant_method=quant_config.get_linear_method(f"{prefix}.o_proj"), params_dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling, device)
+        self.rotary_emb = self.make_rotary(config, device)
+        self.sliding_window = config.sliding_window if self.uses_sliding_window else None
+        if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
+            raise ValueError(f"config.json sliding_window must be a positive integer or null, "
+                             f"got {self.sliding_window!r}")
+
+    def make_rotary(self, config: ModelConfig, device: torch.device) -> RotaryEmbedding:
+        """Hook for the rotary embedding (Phi-3 rotates part of each head)."""
+        return RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling, device,
+                               max_position_embeddings=config.max_position_embeddings)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         """Hook for per-head q/k normalization (identity in Llama)."""
@@ -76,7 +86,7 @@ class LlamaAttention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(attention(q, k, v, positions, kv_cache, self.scale))
+        return self.o_proj(attention(q, k, v, positions, kv_cache, self.scale, self.sliding_window))
 
 
 class LlamaDecoderLayer(nn.Module):
