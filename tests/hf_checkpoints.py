@@ -12,9 +12,12 @@ import torch
 
 
 def hf_config(arch: str, num_layers: int = 2, hidden: int = 64, intermediate: int = 160, vocab: int = 128,
-              tie: bool | None = None):
+              tie: bool | None = None, **overrides):
+    """A tiny transformers config of ``arch``; ``overrides`` (Mistral and Phi3 only) replace its fields."""
     import transformers
 
+    if overrides and arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        raise ValueError(f"config overrides are implemented for Mistral and Phi3 only, not {arch}")
     common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab,
                   initializer_range=0.05, max_position_embeddings=256)
@@ -29,6 +32,14 @@ def hf_config(arch: str, num_layers: int = 2, hidden: int = 64, intermediate: in
     if arch == "Qwen3ForCausalLM":
         return transformers.Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                                         tie_word_embeddings=False if tie is None else tie)
+    # a window of 8 under test sequences of 16-24 tokens, so that it matters
+    if arch == "MistralForCausalLM":
+        return transformers.MistralConfig(**{**common, "sliding_window": 8, "tie_word_embeddings": bool(tie),
+                                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                                             **overrides})
+    if arch == "Phi3ForCausalLM":  # Phi3Config's token ids (32000) lie outside the tiny vocabulary
+        return transformers.Phi3Config(**{**common, "sliding_window": 8, "tie_word_embeddings": bool(tie),
+                                          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides})
     raise ValueError(arch)
 
 

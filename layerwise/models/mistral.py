@@ -1,0 +1,28 @@
+"""Mistral (Jiang et al., 2023, "Mistral 7B"): Llama's architecture with sliding-window attention.
+
+Each token attends to at most ``config.sliding_window`` keys, its own included (null: no window);
+the window applies in the full forward and in the KV-cached decode path (layers/attention.py).
+"""
+
+from __future__ import annotations
+
+from layerwise.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class MistralAttention(LlamaAttention):
+    """Grouped-query attention over the last ``sliding_window`` positions; no biases."""
+
+    qkv_bias = False
+    uses_sliding_window = True
+
+
+class MistralDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm decoder layer around MistralAttention."""
+
+    attention_cls = MistralAttention
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral decoder plus an LM head: int64 ids [B, T] -> logits [B, T, vocab] (see CausalLM.forward)."""
+
+    decoder_layer_cls = MistralDecoderLayer
