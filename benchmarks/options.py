@@ -26,13 +26,23 @@ def default_cache_dir() -> Path:
 
 def add_output_arguments(parser: argparse.ArgumentParser, default_name: str, checkpoint: bool = True) -> None:
     """Add ``--out-dir`` and ``--name`` (and ``--cache-dir`` if the script generates a checkpoint)."""
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, metavar="DIR",
-                        help=f"directory for the results, created if missing (default: ./{DEFAULT_OUT_DIR}/)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=DEFAULT_OUT_DIR,
+        metavar="DIR",
+        help=f"directory for the results, created if missing (default: ./{DEFAULT_OUT_DIR}/)",
+    )
     parser.add_argument("--name", default=None, help=f"file name of the results, no suffix (default: {default_name})")
     if checkpoint:
-        parser.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
-                            help="where the BF16 checkpoint is generated once and reused "
-                                 "(default: $LAYERWISE_CACHE/bench, else ~/.cache/layerwise/bench)")
+        parser.add_argument(
+            "--cache-dir",
+            type=Path,
+            default=None,
+            metavar="DIR",
+            help="where the BF16 checkpoint is generated once and reused "
+            "(default: $LAYERWISE_CACHE/bench, else ~/.cache/layerwise/bench)",
+        )
 
 
 def positive_int(text: str) -> int:

@@ -47,14 +47,32 @@ from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, def
 from layerwise.benchmarks.readme import peak_memory_table
 
 SIZES = {  # Llama-style checkpoints written by transformers' save_pretrained, BF16
-    "default": dict(num_hidden_layers=24, hidden_size=1024, intermediate_size=2816, vocab_size=32000,
-                    num_attention_heads=16, num_key_value_heads=8, max_shard_size="200MB"),
-    "small": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=704, vocab_size=2048,
-                  num_attention_heads=4, num_key_value_heads=2, max_shard_size="2MB"),
+    "default": dict(
+        num_hidden_layers=24,
+        hidden_size=1024,
+        intermediate_size=2816,
+        vocab_size=32000,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_shard_size="200MB",
+    ),
+    "small": dict(
+        num_hidden_layers=4,
+        hidden_size=256,
+        intermediate_size=704,
+        vocab_size=2048,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_shard_size="2MB",
+    ),
 }
 LAYERWISE = ["fp8-per-tensor", "fp8-per-channel", "fp8-per-block", "torchao:Float8WeightOnlyConfig"]
-METHODS = [f"layerwise-{s}" for s in LAYERWISE] + ["naive-bf16-then-fp8", "hf+torchao-quantize_",
-                                                   "hf-TorchAoConfig", "floor-read-copy"]
+METHODS = [f"layerwise-{s}" for s in LAYERWISE] + [
+    "naive-bf16-then-fp8",
+    "hf+torchao-quantize_",
+    "hf-TorchAoConfig",
+    "floor-read-copy",
+]
 
 
 def make_checkpoint(size: str, root: Path) -> Path:
@@ -91,6 +109,7 @@ def required_modules(methods: list[str], device: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- one method (worker)
 
+
 def _non_lm_head_linear(module, fqn: str) -> bool:
     return isinstance(module, torch.nn.Linear) and "lm_head" not in fqn
 
@@ -99,12 +118,12 @@ def _load(method: str, path: str, device: torch.device, tracker=None):
     import layerwise
 
     if method.startswith("layerwise-"):
-        return layerwise.load_model(path, quantization=method[len("layerwise-"):], device=device)
+        return layerwise.load_model(path, quantization=method[len("layerwise-") :], device=device)
     if method == "naive-bf16-then-fp8":
         from layerwise.checkpoint import Checkpoint
         from layerwise.config import ModelConfig
-        from layerwise.registry import get_model_class
         from layerwise.quant.config import QuantConfig
+        from layerwise.registry import get_model_class
 
         ckpt = Checkpoint(path)
         config = ModelConfig.from_dict(ckpt.config)
@@ -133,8 +152,9 @@ def _load(method: str, path: str, device: torch.device, tracker=None):
         return model
     if method == "hf-TorchAoConfig":
         config = transformers.TorchAoConfig(Float8WeightOnlyConfig(), modules_to_not_convert=["lm_head"])
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                                 quantization_config=config, **placement)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, quantization_config=config, **placement
+        )
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -150,7 +170,7 @@ def _downsample(timeline: list, points: int = 400) -> list:
     step = len(timeline) / points
     out = []
     for i in range(points):  # keep the maximum of each bin, so the peak survives
-        chunk = timeline[int(i * step):int((i + 1) * step)] or [timeline[-1]]
+        chunk = timeline[int(i * step) : int((i + 1) * step)] or [timeline[-1]]
         t, b = max(chunk, key=lambda p: p[1])
         out.append([round(t, 4), b])
     out.append([round(timeline[-1][0], 4), timeline[-1][1]])
@@ -179,8 +199,11 @@ def worker(method: str, path: str, device: str) -> dict:
     untracked = tracker.untracked_bytes(_tensors(result))
     from layerwise.memory import tensor_bytes
 
-    final = tensor_bytes(result, device) if not isinstance(result, dict) else sum(
-        t.untyped_storage().nbytes() for t in result.values())
+    final = (
+        tensor_bytes(result, device)
+        if not isinstance(result, dict)
+        else sum(t.untyped_storage().nbytes() for t in result.values())
+    )
     timeline = [p for p in tracker.timeline if p not in tracker.timeline_marks]
     del result
     # time: the best of two loads without the tracker (its per-op Python work would weigh on
@@ -194,20 +217,29 @@ def worker(method: str, path: str, device: str) -> dict:
         seconds = min(seconds, time.perf_counter() - start)
         del result
     marks = {name: b for name, b in tracker.marks}
-    return {"method": method, "peak_bytes": max([tracker.peak_bytes + untracked, *marks.values()]),
-            "tracked_peak_bytes": tracker.peak_bytes, "untracked_final_bytes": untracked, "marks": marks,
-            "final_bytes": final,
-            "seconds": seconds, "warmup_seconds": warmup, "tracker": tracker.method,
-            "peak_rss_anon_bytes": tracker.peak_rss_anon_bytes, "timeline": _downsample(timeline),
-            "mark_points": [[round(t, 4), b] for t, b in tracker.timeline_marks]}
+    return {
+        "method": method,
+        "peak_bytes": max([tracker.peak_bytes + untracked, *marks.values()]),
+        "tracked_peak_bytes": tracker.peak_bytes,
+        "untracked_final_bytes": untracked,
+        "marks": marks,
+        "final_bytes": final,
+        "seconds": seconds,
+        "warmup_seconds": warmup,
+        "tracker": tracker.method,
+        "peak_rss_anon_bytes": tracker.peak_rss_anon_bytes,
+        "timeline": _downsample(timeline),
+        "mark_points": [[round(t, 4), b] for t, b in tracker.timeline_marks],
+    }
 
 
 # ----------------------------------------------------------------------------- the whole run
 
 # Each method runs in a fresh interpreter: ``worker(METHOD, PATH, DEVICE)``, its result as JSON on stdout.
 # A private entry point, so the command line of `layerwise bench` has nothing internal in it.
-_WORKER = ("import json, sys; from layerwise.benchmarks.peak_memory import worker; "
-           "print(json.dumps(worker(*sys.argv[1:4])))")
+_WORKER = (
+    "import json, sys; from layerwise.benchmarks.peak_memory import worker; print(json.dumps(worker(*sys.argv[1:4])))"
+)
 
 
 def run(size: str, device: str, methods: list[str], cache: Path) -> dict:
@@ -237,15 +269,28 @@ def run(size: str, device: str, methods: list[str], cache: Path) -> dict:
         r["overhead_over_largest_layer"] = (r["peak_bytes"] - r["final_bytes"]) / largest
         if floor:
             r["time_over_floor"] = r["seconds"] / floor["seconds"]
-    return {"benchmark": "peak_memory", "size": size, "device": device, "checkpoint": str(path),
-            "config": {k: v for k, v in SIZES[size].items()}, "checkpoint_bytes": ckpt.total_bytes,
-            "largest_layer_checkpoint_bytes": largest, "machine": describe_machine(device), "results": rows}
+    return {
+        "benchmark": "peak_memory",
+        "size": size,
+        "device": device,
+        "checkpoint": str(path),
+        "config": {k: v for k, v in SIZES[size].items()},
+        "checkpoint_bytes": ckpt.total_bytes,
+        "largest_layer_checkpoint_bytes": largest,
+        "machine": describe_machine(device),
+        "results": rows,
+    }
 
 
 def describe_machine(device: str) -> dict:
     """Platform, Python, torch, CPU count and threads (and the GPU's name on cuda), for the results JSON."""
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -263,24 +308,32 @@ def plot(result: dict, out: Path) -> None:
     for r in result["results"]:
         if "error" in r:
             continue
-        t, b = zip(*r["timeline"])
+        t, b = zip(*r["timeline"], strict=True)
         label = r["method"]
         if r.get("untracked_final_bytes"):
             label += f" (+{r['untracked_final_bytes'] / 2**20:.0f} MiB kept as mmap views, not drawn)"
-        line, = ax.plot(t, [x / 2**20 for x in b], label=label, lw=1.5,
-                        ls="-" if r["method"].startswith("layerwise") else "--")
+        (line,) = ax.plot(
+            t, [x / 2**20 for x in b], label=label, lw=1.5, ls="-" if r["method"].startswith("layerwise") else "--"
+        )
         for mt, mb in r.get("mark_points", []):
             ax.plot([mt], [mb / 2**20], marker="x", ms=9, color=line.get_color())
-            ax.annotate("BF16 model held\n(device equivalent)", (mt, mb / 2**20), fontsize=7,
-                        xytext=(6, -18), textcoords="offset points")
+            ax.annotate(
+                "BF16 model held\n(device equivalent)",
+                (mt, mb / 2**20),
+                fontsize=7,
+                xytext=(6, -18),
+                textcoords="offset points",
+            )
         if r["method"] == "layerwise-fp8-per-tensor":
             fp8_final = r["final_bytes"]
     if fp8_final:
         ax.axhline(fp8_final / 2**20, color="black", lw=1, ls=":", label="final FP8 model (per-tensor)")
     ax.set_xlabel("seconds since load start (the run under the tracker, which slows every method)")
     ax.set_ylabel(f"live tensor bytes on {result['device']} (MiB)")
-    ax.set_title(f"Loading a {result['config']['num_hidden_layers']}-layer BF16 Llama checkpoint "
-                 f"({result['checkpoint_bytes'] / 2**20:,.0f} MiB) as FP8")
+    ax.set_title(
+        f"Loading a {result['config']['num_hidden_layers']}-layer BF16 Llama checkpoint "
+        f"({result['checkpoint_bytes'] / 2**20:,.0f} MiB) as FP8"
+    )
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -294,14 +347,26 @@ def main(argv=None) -> int:
     Raises:
         MissingDependencyError: an optional dependency of the run is missing (checked before any work).
     """
-    parser = argparse.ArgumentParser(prog="layerwise bench", description=__doc__, epilog=RESULTS_NOTE,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="layerwise bench",
+        description=__doc__,
+        epilog=RESULTS_NOTE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sizes = "; ".join(f"'{k}' = {v['num_hidden_layers']} layers, hidden {v['hidden_size']}" for k, v in SIZES.items())
-    parser.add_argument("--size", default="default", choices=sorted(SIZES),
-                        help=f"the BF16 Llama checkpoint to generate: {sizes} (a quick run; default: default)")
+    parser.add_argument(
+        "--size",
+        default="default",
+        choices=sorted(SIZES),
+        help=f"the BF16 Llama checkpoint to generate: {sizes} (a quick run; default: default)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--methods", default=",".join(METHODS), metavar="M1,M2,...",
-                        help="comma-separated subset of the methods above (default: all)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        metavar="M1,M2,...",
+        help="comma-separated subset of the methods above (default: all)",
+    )
     add_output_arguments(parser, default_name="peak_memory_<device>_<size>")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")

@@ -14,6 +14,7 @@ Writes DIR/<name>.json (seconds and GB/s per shape and scheme) and prints the ta
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 
 import torch
@@ -32,26 +33,37 @@ def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | 
     that main writes as JSON (seconds, GB/s, ratios)."""
     device = torch.device(device)
     kernel = resolve_kernel(kernel, device)
-    peak = next((v for k, v in PEAK_GBPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()),
-                None)
+    peak = next((v for k, v in PEAK_GBPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
     rows = []
     for n, k in shapes:
         w = torch.randn(n, k, device=device).to(torch.bfloat16)
         nbytes = w.numel() * w.element_size()
-        clone_s = best_of(lambda: w.clone(), device, repeats)
+        clone_s = best_of(w.clone, device, repeats)
         for granularity in GRANULARITIES:
-            seconds = best_of(lambda: fp8_quantize_weight(w, granularity, kernel), device, repeats)
-            row = {"shape": [n, k], "scheme": f"fp8-per-{granularity}", "kernel": kernel,
-                   "seconds": seconds, "gbps": nbytes / seconds / 1e9,
-                   "clone_seconds": clone_s, "clone_gbps": nbytes / clone_s / 1e9,
-                   "ratio_to_clone": clone_s / seconds}
+            seconds = best_of(functools.partial(fp8_quantize_weight, w, granularity, kernel), device, repeats)
+            row = {
+                "shape": [n, k],
+                "scheme": f"fp8-per-{granularity}",
+                "kernel": kernel,
+                "seconds": seconds,
+                "gbps": nbytes / seconds / 1e9,
+                "clone_seconds": clone_s,
+                "clone_gbps": nbytes / clone_s / 1e9,
+                "ratio_to_clone": clone_s / seconds,
+            }
             if peak:
                 row["fraction_of_peak_bandwidth"] = (2.5 * nbytes / seconds / 1e9) / peak
                 row["clone_fraction_of_peak_bandwidth"] = (2 * nbytes / clone_s / 1e9) / peak
             rows.append(row)
-    return {"benchmark": "quant_kernels", "device": str(device),
-            "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats, "results": rows}
+    return {
+        "benchmark": "quant_kernels",
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "repeats": repeats,
+        "results": rows,
+    }
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -66,13 +78,23 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 def main(argv=None) -> int:
     """Parse ``argv``, run, write DIR/NAME.json, print the table."""
-    parser = argparse.ArgumentParser(prog="python -m layerwise.benchmarks.quant_kernels", description=__doc__,
-                                     epilog=RESULTS_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m layerwise.benchmarks.quant_kernels",
+        description=__doc__,
+        epilog=RESULTS_NOTE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--kernel", default=None, choices=["torch", "triton"],
-                        help="default: triton on cuda if installed, else torch")
-    parser.add_argument("--shapes", type=_shapes, default="8192x8192,4096x1024,1024x2816", metavar="RxC,...",
-                        help="weight shapes to quantize (default: %(default)s)")
+    parser.add_argument(
+        "--kernel", default=None, choices=["torch", "triton"], help="default: triton on cuda if installed, else torch"
+    )
+    parser.add_argument(
+        "--shapes",
+        type=_shapes,
+        default="8192x8192,4096x1024,1024x2816",
+        metavar="RxC,...",
+        help="weight shapes to quantize (default: %(default)s)",
+    )
     parser.add_argument("--repeats", type=positive_int, default=3, help="best of this many runs (default: 3)")
     add_output_arguments(parser, default_name="quant_kernels_<device>", checkpoint=False)
     args = parser.parse_args(argv)

@@ -27,8 +27,11 @@ from layerwise.benchmarks.options import DEFAULT_OUT_DIR, REFERENCE_DIR
 BEGIN = re.compile(r"<!-- results:begin.*?-->\n", re.DOTALL)
 END = "<!-- results:end -->"
 # the committed results the section is generated from, by benchmark
-FILES = {"peak_memory": "peak_memory_cpu_default", "reload_latency": "reload_latency_cpu_default",
-         "quant_kernels": "quant_kernels_cpu"}
+FILES = {
+    "peak_memory": "peak_memory_cpu_default",
+    "reload_latency": "reload_latency_cpu_default",
+    "quant_kernels": "quant_kernels_cpu",
+}
 DEMO_FILE = "demo_load_cpu"
 DEMO_BEGIN = re.compile(r"<!-- demo:begin.*?-->\n", re.DOTALL)
 DEMO_END = "<!-- demo:end -->"
@@ -38,17 +41,22 @@ MIB = 2**20
 
 # ----------------------------------------------------------------------------- tables
 
+
 def peak_memory_table(result: dict) -> str:
     """Markdown table of a peak_memory result: MiB, ratios, seconds per method."""
-    lines = ["| method | peak MiB | final MiB | peak/final | (peak-final)/layer | seconds | time/floor |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | peak MiB | final MiB | peak/final | (peak-final)/layer | seconds | time/floor |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["results"]:
         if "error" in r:
             lines.append(f"| {r['method']} | did not run: {r['error'][:80]} | | | | | |")
             continue
-        lines.append(f"| {r['method']} | {r['peak_bytes'] / MIB:,.1f} | {r['final_bytes'] / MIB:,.1f} | "
-                     f"{r['peak_over_final']:.2f} | {r['overhead_over_largest_layer']:.2f} | {r['seconds']:.2f} | "
-                     f"{r.get('time_over_floor', float('nan')):.2f} |")
+        lines.append(
+            f"| {r['method']} | {r['peak_bytes'] / MIB:,.1f} | {r['final_bytes'] / MIB:,.1f} | "
+            f"{r['peak_over_final']:.2f} | {r['overhead_over_largest_layer']:.2f} | {r['seconds']:.2f} | "
+            f"{r.get('time_over_floor', float('nan')):.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -62,12 +70,16 @@ def reload_latency_table(result: dict) -> str:
 def quant_kernels_table(result: dict) -> str:
     """Markdown table of a quant_kernels result: GB/s of each scheme and of clone, per shape."""
     lines = ["| shape | scheme | GB/s | clone GB/s | ratio |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {'x'.join(map(str, r['shape']))} | {r['scheme']} | {r['gbps']:.2f} | {r['clone_gbps']:.2f} | "
-              f"{r['ratio_to_clone']:.2f} |" for r in result["results"]]
+    lines += [
+        f"| {'x'.join(map(str, r['shape']))} | {r['scheme']} | {r['gbps']:.2f} | {r['clone_gbps']:.2f} | "
+        f"{r['ratio_to_clone']:.2f} |"
+        for r in result["results"]
+    ]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- the README section
+
 
 def _machine(machine: dict, device: str) -> str:
     where = machine.get("gpu") or device.upper()
@@ -83,36 +95,46 @@ Reproduce with `layerwise bench` (= `python -m layerwise.benchmarks.peak_memory`
 `~/.cache/layerwise/bench/` (`--cache-dir DIR`). The figures below change only on purpose: run the three
 from the repository root with `--out-dir {REFERENCE_DIR}`, then `python -m layerwise.benchmarks.readme`
 (`--check` tells whether this section is stale).
-Results below: {_machine(pm['machine'], pm['device'])}."""
+Results below: {_machine(pm["machine"], pm["device"])}."""
 
 
 def _peak_memory(pm: dict, image: str) -> str:
     cfg = pm["config"]
     rows = {r["method"]: r for r in pm["results"] if "error" not in r}
-    parts = [f"""### Peak memory and load time
+    parts = [
+        f"""### Peak memory and load time
 
-A {cfg['num_hidden_layers']}-layer Llama checkpoint (hidden {cfg['hidden_size']}, \
-intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}) written by transformers in BF16,
-{pm['checkpoint_bytes'] / MIB:,.0f} MiB; every method in a fresh process, measured by the same tracker.
+A {cfg["num_hidden_layers"]}-layer Llama checkpoint (hidden {cfg["hidden_size"]}, \
+intermediate {cfg["intermediate_size"]}, vocab {cfg["vocab_size"]}) written by transformers in BF16,
+{pm["checkpoint_bytes"] / MIB:,.0f} MiB; every method in a fresh process, measured by the same tracker.
 
 ![memory timeline]({image})
 
-{peak_memory_table(pm)}"""]
+{peak_memory_table(pm)}"""
+    ]
     ours = rows.get("layerwise-fp8-per-tensor")
     if ours is None:
         return parts[0]
-    compared = [(m, what) for m, what in [("naive-bf16-then-fp8", "loading in BF16 and quantizing in place"),
-                                          ("hf+torchao-quantize_", "transformers + torchao `quantize_`")]
-                if m in rows]
+    compared = [
+        (m, what)
+        for m, what in [
+            ("naive-bf16-then-fp8", "loading in BF16 and quantizing in place"),
+            ("hf+torchao-quantize_", "transformers + torchao `quantize_`"),
+        ]
+        if m in rows
+    ]
     text = f"* layerwise FP8 per-tensor peaks at {ours['peak_over_final']:.2f}x its final size"
     if compared:
         text += "; the peak is\n  " + ", and\n  ".join(
-            f"{rows[m]['peak_bytes'] / ours['peak_bytes']:.2f}x lower than {what}" for m, what in compared)
+            f"{rows[m]['peak_bytes'] / ours['peak_bytes']:.2f}x lower than {what}" for m, what in compared
+        )
     text += "."
     if f"{ours['peak_over_final']:.2f}" == "1.00":
         lm_head = cfg["vocab_size"] * cfg["hidden_size"] * 2  # BF16, not tied to the embedding
-        text += (f" Its peak equals its\n  final size because lm_head (kept in BF16, {lm_head / MIB:,.1f} MiB) "
-                 "arrives\n  last and outweighs the one-layer transient.")
+        text += (
+            f" Its peak equals its\n  final size because lm_head (kept in BF16, {lm_head / MIB:,.1f} MiB) "
+            "arrives\n  last and outweighs the one-layer transient."
+        )
     parts.append(text)
     if pm["device"] == "cpu" and any(m.startswith("hf") for m in rows):
         text = """* On CPU, transformers keeps tensors it does not quantize as zero-copy mmap views of the checkpoint;
@@ -121,8 +143,10 @@ intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}) written by t
   are lower bounds of what a GPU would see."""
         if "hf-TorchAoConfig" in rows:
             ratio = rows["hf-TorchAoConfig"]["peak_bytes"] / ours["peak_bytes"]
-            text += (" `hf-TorchAoConfig` quantizes inside `from_pretrained`\n"
-                     f"  one tensor at a time, so its peak is {ratio:.2f}x ours.")
+            text += (
+                " `hf-TorchAoConfig` quantizes inside `from_pretrained`\n"
+                f"  one tensor at a time, so its peak is {ratio:.2f}x ours."
+            )
         parts.append(text)
     if "time_over_floor" in ours:
         text = f"{ours['time_over_floor']:.2f}x the read-and-copy floor (target {TARGET_TIME_OVER_FLOOR}x)"
@@ -146,7 +170,7 @@ def _reload_latency(rl: dict, pm: dict) -> str:
     return f"""### Hot reload latency
 
 {what} as an in-memory BF16 stream (as from a trainer) and from disk, into a live model;
-floor = `copy_` of the same tensors into preallocated BF16 tensors. Best of {rl['repeats']} runs each.{where}
+floor = `copy_` of the same tensors into preallocated BF16 tensors. Best of {rl["repeats"]} runs each.{where}
 
 {reload_latency_table(rl)}"""
 
@@ -180,8 +204,12 @@ def section(results: Path, readme: Path) -> str:
     data = {k: json.loads((results / f"{name}.json").read_text()) for k, name in FILES.items()}
     image = os.path.relpath(results.resolve() / f"{FILES['peak_memory']}.png", readme.resolve().parent)
     pm = data["peak_memory"]
-    parts = [_intro(pm), _peak_memory(pm, Path(image).as_posix()), _reload_latency(data["reload_latency"], pm),
-             _quant_kernels(data["quant_kernels"], pm)]
+    parts = [
+        _intro(pm),
+        _peak_memory(pm, Path(image).as_posix()),
+        _reload_latency(data["reload_latency"], pm),
+        _quant_kernels(data["quant_kernels"], pm),
+    ]
     return "\n\n".join(parts) + "\n"
 
 
@@ -195,8 +223,7 @@ def demo_section(results: Path) -> str:
 
     data = json.loads((results / f"{DEMO_FILE}.json").read_text())
     report = LoadReport(**{f.name: data[f.name] for f in fields(LoadReport) if f.name in data})
-    return ("```text\n$ layerwise load ~/.cache/layerwise/demo-qwen3-8l --report r.json\n"
-            f"{format_report(report)}\n```\n")
+    return f"```text\n$ layerwise load ~/.cache/layerwise/demo-qwen3-8l --report r.json\n{format_report(report)}\n```\n"
 
 
 def render(text: str, new_section: str, begin_re=BEGIN, end_mark: str = END) -> str:
@@ -209,19 +236,33 @@ def render(text: str, new_section: str, begin_re=BEGIN, end_mark: str = END) -> 
     end = text.find(end_mark, begin.end()) if begin else -1
     if end < 0:
         raise ValueError(f"no '{begin_re.pattern}' line followed by '{end_mark}'")
-    return text[:begin.end()] + new_section + text[end:]
+    return text[: begin.end()] + new_section + text[end:]
 
 
 def main(argv=None) -> int:
     """Rewrite (or with ``--check``, compare) the README's results section; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m layerwise.benchmarks.readme", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=Path(REFERENCE_DIR), metavar="DIR",
-                        help=f"folder with the results JSON (default: {REFERENCE_DIR})")
-    parser.add_argument("--readme", type=Path, default=Path("README.md"), metavar="PATH",
-                        help="the README to rewrite (default: README.md)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if the README differs from what would be generated")
+    parser = argparse.ArgumentParser(
+        prog="python -m layerwise.benchmarks.readme",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=Path(REFERENCE_DIR),
+        metavar="DIR",
+        help=f"folder with the results JSON (default: {REFERENCE_DIR})",
+    )
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        default=Path("README.md"),
+        metavar="PATH",
+        help="the README to rewrite (default: README.md)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if the README differs from what would be generated"
+    )
     args = parser.parse_args(argv)
     try:
         old = args.readme.read_text()

@@ -12,13 +12,20 @@ Writes DIR/<name>.json (seconds per case and / floor) and prints the table.
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 import torch
 
 import layerwise
-from layerwise.benchmarks.options import (RESULTS_NOTE, add_output_arguments, default_cache_dir, positive_int,
-                                          require, write_json)
+from layerwise.benchmarks.options import (
+    RESULTS_NOTE,
+    add_output_arguments,
+    default_cache_dir,
+    positive_int,
+    require,
+    write_json,
+)
 from layerwise.benchmarks.peak_memory import SIZES, describe_machine, make_checkpoint
 from layerwise.benchmarks.readme import reload_latency_table
 from layerwise.benchmarks.timing import best_of
@@ -38,12 +45,20 @@ def run(size: str, device: str, repeats: int, cache: Path) -> dict:
     for quantization in ("fp8", None):
         model = layerwise.load_model(path, quantization=quantization, device=device)
         name = "fp8-per-tensor" if quantization else "none (bf16)"
-        memory = best_of(lambda: layerwise.reload_weights(model, stream), device, repeats, warmup=False)
-        disk = best_of(lambda: layerwise.reload_weights(model, path), device, repeats, warmup=False)
+        memory = best_of(functools.partial(layerwise.reload_weights, model, stream), device, repeats, warmup=False)
+        disk = best_of(functools.partial(layerwise.reload_weights, model, path), device, repeats, warmup=False)
         rows.append({"case": f"{name}: in-memory stream", "seconds": memory, "over_floor": memory / floor})
         rows.append({"case": f"{name}: from disk (page cache warm)", "seconds": disk, "over_floor": disk / floor})
-    return {"benchmark": "reload_latency", "size": size, "device": str(device), "checkpoint": str(path),
-            "stream_bytes": stream_bytes, "repeats": repeats, "machine": describe_machine(str(device)), "results": rows}
+    return {
+        "benchmark": "reload_latency",
+        "size": size,
+        "device": str(device),
+        "checkpoint": str(path),
+        "stream_bytes": stream_bytes,
+        "repeats": repeats,
+        "machine": describe_machine(str(device)),
+        "results": rows,
+    }
 
 
 def main(argv=None) -> int:
@@ -52,8 +67,12 @@ def main(argv=None) -> int:
     Raises:
         MissingDependencyError: transformers (which generates the checkpoint) is missing; checked first.
     """
-    parser = argparse.ArgumentParser(prog="python -m layerwise.benchmarks.reload_latency", description=__doc__,
-                                     epilog=RESULTS_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m layerwise.benchmarks.reload_latency",
+        description=__doc__,
+        epilog=RESULTS_NOTE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="best of this many runs (default: 3)")

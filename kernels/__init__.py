@@ -12,8 +12,16 @@ from __future__ import annotations
 import torch
 
 from layerwise.kernels import cpu_fused, reference
-from layerwise.kernels.reference import (BLOCK_SIZE, FP8_DTYPE, FP8_E4M3_MAX, GRANULARITIES, has_non_finite, scale_from_amax,
-                               scale_layout, scale_shape)
+from layerwise.kernels.reference import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    FP8_E4M3_MAX,
+    GRANULARITIES,
+    has_non_finite,
+    scale_from_amax,
+    scale_layout,
+    scale_shape,
+)
 from layerwise.kernels.triton_common import HAS_TRITON
 
 KERNELS = ("torch", "triton")
@@ -57,8 +65,9 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ker
     return reference.dequantize(q, scale, dtype)
 
 
-def fp8_quantize_weight(w: torch.Tensor, granularity: str = "tensor",
-                        kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_weight(
+    w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """amax -> scale -> quantize.
 
     Args:
@@ -75,9 +84,19 @@ def fp8_quantize_weight(w: torch.Tensor, granularity: str = "tensor",
     return fp8_quantize(w, scale, kernel), scale
 
 
-
 __all__ = [
-    "BLOCK_SIZE", "FP8_DTYPE", "FP8_E4M3_MAX", "GRANULARITIES", "KERNELS", "fp8_amax", "has_non_finite",
-    "fp8_dequantize", "fp8_quantize", "fp8_quantize_weight", "resolve_kernel",
-    "scale_from_amax", "scale_layout", "scale_shape",
+    "BLOCK_SIZE",
+    "FP8_DTYPE",
+    "FP8_E4M3_MAX",
+    "GRANULARITIES",
+    "KERNELS",
+    "fp8_amax",
+    "has_non_finite",
+    "fp8_dequantize",
+    "fp8_quantize",
+    "fp8_quantize_weight",
+    "resolve_kernel",
+    "scale_from_amax",
+    "scale_layout",
+    "scale_shape",
 ]

@@ -26,12 +26,13 @@ def _quantize_scalar(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.to(torch.float32) / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled():
     # torch.compile is lazy: the work happens at the first call, which is what the notice announces
     logging.getLogger(__name__).info(
         "compiling the fused CPU FP8 quantize kernel with torch.compile (once per process; seconds on a warm "
-        "Inductor cache, up to a minute on a cold one; LAYERWISE_COMPILE=0 skips it)")
+        "Inductor cache, up to a minute on a cold one; LAYERWISE_COMPILE=0 skips it)"
+    )
     return torch.compile(_quantize_scalar, dynamic=True)
 
 
@@ -48,5 +49,9 @@ def _(w, scale):
 
 def use_fused(w: torch.Tensor, granularity: str) -> bool:
     """Whether the torch kernel path takes the fused compiled quantize for ``w``."""
-    return (granularity == "tensor" and w.device.type == "cpu" and w.numel() >= FUSED_MIN_NUMEL
-            and os.environ.get("LAYERWISE_COMPILE", "1") != "0")
+    return (
+        granularity == "tensor"
+        and w.device.type == "cpu"
+        and w.numel() >= FUSED_MIN_NUMEL
+        and os.environ.get("LAYERWISE_COMPILE", "1") != "0"
+    )

@@ -14,14 +14,37 @@ kernels run on sm_80 and newer, and under the interpreter on CPU.
 import torch
 
 from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, GRANULARITIES, scale_layout, scale_shape
-from layerwise.kernels.triton_common import (abs_nan_to_inf, as_kernel_input, as_matrix, check_input, e4m3_bits, e4m3_value,
-                                   grid_1d, helper, launch, load_f32, max_all, tile, tile_index, tl, triton)
+from layerwise.kernels.triton_common import (
+    abs_nan_to_inf,
+    as_kernel_input,
+    as_matrix,
+    check_input,
+    e4m3_bits,
+    e4m3_value,
+    grid_1d,
+    helper,
+    launch,
+    load_f32,
+    max_all,
+    tile,
+    tile_index,
+    tl,
+    triton,
+)
 
 SCALE_MODES = {"tensor": 0, "channel": 1, "block": 2}
 
 
-def _amax_kernel(x_ptr, out_ptr, n_rows, n_cols, IS_BF16: tl.constexpr, PER_ROW: tl.constexpr,
-                 TILE_N: tl.constexpr, TILE_K: tl.constexpr):
+def _amax_kernel(
+    x_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    IS_BF16: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    TILE_N: tl.constexpr,
+    TILE_K: tl.constexpr,
+):
     row_tile, col_tile = tile_index(n_cols, TILE_K)
     rows = row_tile * TILE_N + tl.arange(0, TILE_N)
     cols = col_tile * TILE_K + tl.arange(0, TILE_K)
@@ -34,8 +57,9 @@ def _amax_kernel(x_ptr, out_ptr, n_rows, n_cols, IS_BF16: tl.constexpr, PER_ROW:
 
 
 @helper
-def load_scale(ptr, rows, cols, mask, scale_cols, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+def load_scale(
+    ptr, rows, cols, mask, scale_cols, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """The scale of each element of a [TILE_N, TILE_K] tile (rows [TILE_N, 1], cols [1, TILE_K]):
     one for the tensor (SCALE_MODE 0), one per row (1), or one per BLOCK_N x BLOCK_K block of a
     [*, scale_cols] scale grid (2). Every mode loads a full tile, so the branches agree in shape."""
@@ -48,9 +72,20 @@ def load_scale(ptr, rows, cols, mask, scale_cols, SCALE_MODE: tl.constexpr, BLOC
     return tl.load(ptr + offs, mask=mask, other=1.0)
 
 
-def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n_rows, n_cols, scale_cols, IS_BF16: tl.constexpr,
-                     SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     TILE_N: tl.constexpr, TILE_K: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    n_rows,
+    n_cols,
+    scale_cols,
+    IS_BF16: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILE_N: tl.constexpr,
+    TILE_K: tl.constexpr,
+):
     row_tile, col_tile = tile_index(n_cols, TILE_K)
     rows = (row_tile * TILE_N + tl.arange(0, TILE_N))[:, None]
     cols = (col_tile * TILE_K + tl.arange(0, TILE_K))[None, :]
@@ -61,9 +96,20 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n_rows, n_cols, scale_cols, IS_B
     tl.store(out_ptr + rows * n_cols + cols, e4m3_bits(y).to(tl.uint8), mask=mask)
 
 
-def _dequantize_kernel(q_ptr, out_ptr, scale_ptr, n_rows, n_cols, scale_cols, OUT_BF16: tl.constexpr,
-                       SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr,
-                       TILE_K: tl.constexpr):
+def _dequantize_kernel(
+    q_ptr,
+    out_ptr,
+    scale_ptr,
+    n_rows,
+    n_cols,
+    scale_cols,
+    OUT_BF16: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILE_N: tl.constexpr,
+    TILE_K: tl.constexpr,
+):
     row_tile, col_tile = tile_index(n_cols, TILE_K)
     rows = (row_tile * TILE_N + tl.arange(0, TILE_N))[:, None]
     cols = (col_tile * TILE_K + tl.arange(0, TILE_K))[None, :]
@@ -100,10 +146,22 @@ def amax_triton(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
     tile_n, tile_k = BLOCK_SIZE if granularity == "block" else tile(w.device)
     grid = grid_1d(n_rows, n_cols, tile_n, tile_k)
     per_row = granularity == "channel"
-    partial = torch.empty((triton.cdiv(n_cols, tile_k), n_rows) if per_row else grid, dtype=torch.float32,
-                          device=w.device)
-    launch(_amax_kernel, w.device, grid, x, partial, n_rows, n_cols, IS_BF16=is_bf16, PER_ROW=per_row,
-           TILE_N=tile_n, TILE_K=tile_k)
+    partial = torch.empty(
+        (triton.cdiv(n_cols, tile_k), n_rows) if per_row else grid, dtype=torch.float32, device=w.device
+    )
+    launch(
+        _amax_kernel,
+        w.device,
+        grid,
+        x,
+        partial,
+        n_rows,
+        n_cols,
+        IS_BF16=is_bf16,
+        PER_ROW=per_row,
+        TILE_N=tile_n,
+        TILE_K=tile_k,
+    )
     if granularity == "tensor":
         return partial.amax()
     if per_row:
@@ -115,9 +173,23 @@ def _launch(fn, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, granula
     n_rows, n_cols = x.shape
     tile_n, tile_k = tile(x.device)
     scale_cols = scale.shape[-1] if granularity == "block" else 1
-    launch(fn, x.device, grid_1d(n_rows, n_cols, tile_n, tile_k), x, out, scale, n_rows, n_cols, scale_cols,
-           SCALE_MODE=SCALE_MODES[granularity], BLOCK_N=BLOCK_SIZE[0], BLOCK_K=BLOCK_SIZE[1], TILE_N=tile_n,
-           TILE_K=tile_k, **meta)
+    launch(
+        fn,
+        x.device,
+        grid_1d(n_rows, n_cols, tile_n, tile_k),
+        x,
+        out,
+        scale,
+        n_rows,
+        n_cols,
+        scale_cols,
+        SCALE_MODE=SCALE_MODES[granularity],
+        BLOCK_N=BLOCK_SIZE[0],
+        BLOCK_K=BLOCK_SIZE[1],
+        TILE_N=tile_n,
+        TILE_K=tile_k,
+        **meta,
+    )
 
 
 def quantize_triton(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,8 +240,14 @@ def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     if q.numel():
         is_bf16 = dtype == torch.bfloat16
         dst = as_matrix(out)
-        _launch(_dequantize_kernel, as_matrix(q).view(torch.uint8), dst.view(torch.int16) if is_bf16 else dst,
-                scale.to(torch.float32).contiguous(), granularity, OUT_BF16=is_bf16)
+        _launch(
+            _dequantize_kernel,
+            as_matrix(q).view(torch.uint8),
+            dst.view(torch.int16) if is_bf16 else dst,
+            scale.to(torch.float32).contiguous(),
+            granularity,
+            OUT_BF16=is_bf16,
+        )
     return out
 
 

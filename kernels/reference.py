@@ -115,7 +115,7 @@ def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
             chunk = F.pad(chunk, (0, kb * bk - k, 0, -rows % bn))
         blocks = chunk.reshape(-(-rows // bn), bn, kb, bk)
         hi, lo = torch.amax(blocks, dim=(1, 3)), torch.amin(blocks, dim=(1, 3))  # no |w| temporary
-        out[r0 // bn:(r1 + bn - 1) // bn] = torch.maximum(hi.float(), -lo.float())
+        out[r0 // bn : (r1 + bn - 1) // bn] = torch.maximum(hi.float(), -lo.float())
     return out
 
 
@@ -144,7 +144,7 @@ def _expand_rows(scale: torch.Tensor, granularity: str, r0: int, r1: int, n_cols
     if granularity == "channel":
         return scale[r0:r1]
     bn, bk = BLOCK_SIZE
-    rows = scale[r0 // bn:(r1 - 1) // bn + 1].repeat_interleave(bn, dim=0)[r0 % bn:r0 % bn + r1 - r0]
+    rows = scale[r0 // bn : (r1 - 1) // bn + 1].repeat_interleave(bn, dim=0)[r0 % bn : r0 % bn + r1 - r0]
     if granularity == "block_rows":  # expanded along rows only: [r1 - r0, ceil(K / 128)]
         return rows
     return rows.repeat_interleave(bk, dim=1)[:, :n_cols]
@@ -187,7 +187,7 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = No
         else:  # one 128-column slice at a time: the scale is never expanded to the chunk's size
             scale_rows = _expand_rows(scale, "block_rows", r0, r1, k)  # [rows, ceil(K / 128)]
             for j in range(scale_rows.shape[1]):
-                tmp[:, j * bk:(j + 1) * bk].div_(scale_rows[:, j:j + 1])
+                tmp[:, j * bk : (j + 1) * bk].div_(scale_rows[:, j : j + 1])
         tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         dst[r0:r1].copy_(tmp)
     return out

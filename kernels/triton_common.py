@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
         def __init__(self, fn):
             self.fn = fn
 
+
 # (rows, cols) per program: the interpreter pays per program, so it gets much larger tiles.
 TILE_CUDA = (16, 256)
 TILE_INTERPRET = (64, 2048)
@@ -135,7 +136,7 @@ def e4m3_value(bits):
     return (v.to(tl.int32, bitcast=True) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build(fn, interpret: bool):
     """The compiled (CUDA) or interpreted (CPU) form of kernel function ``fn``."""
     if interpret:

@@ -9,8 +9,8 @@ per-row or per-tile amax, CUDA tile sizes and the 128 x 128 block.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
@@ -43,7 +43,7 @@ class KernelVariant:
 
 
 def _signature(fn: Callable, types: dict, constexprs: dict) -> dict:
-    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     return {n: "constexpr" if n in constexprs else types[n] for n in names}
 
 
@@ -58,18 +58,33 @@ def cuda_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
     for dtype in DTYPES:
         for granularity in ("tensor", "channel", "block"):
             tile_n, tile_k = BLOCK_SIZE if granularity == "block" else TILE_CUDA
-            const = dict(IS_BF16=dtype == torch.bfloat16, PER_ROW=granularity == "channel", TILE_N=tile_n, TILE_K=tile_k)
+            const = dict(
+                IS_BF16=dtype == torch.bfloat16, PER_ROW=granularity == "channel", TILE_N=tile_n, TILE_K=tile_k
+            )
             types = dict(sizes, x_ptr=POINTER_TYPES[dtype], out_ptr="*fp32")
-            yield KernelVariant(f"amax[{str(dtype)[6:]},{granularity},{index_type}]", _amax_kernel,
-                                _signature(_amax_kernel, types, const), const)
+            yield KernelVariant(
+                f"amax[{str(dtype)[6:]},{granularity},{index_type}]",
+                _amax_kernel,
+                _signature(_amax_kernel, types, const),
+                const,
+            )
         for granularity, mode in SCALE_MODES.items():
-            common = dict(SCALE_MODE=mode, BLOCK_N=BLOCK_SIZE[0], BLOCK_K=BLOCK_SIZE[1], TILE_N=TILE_CUDA[0],
-                          TILE_K=TILE_CUDA[1])
+            common = dict(
+                SCALE_MODE=mode, BLOCK_N=BLOCK_SIZE[0], BLOCK_K=BLOCK_SIZE[1], TILE_N=TILE_CUDA[0], TILE_K=TILE_CUDA[1]
+            )
             const = dict(common, IS_BF16=dtype == torch.bfloat16)
             types = dict(sizes, x_ptr=POINTER_TYPES[dtype], out_ptr="*u8", scale_ptr="*fp32")
-            yield KernelVariant(f"quantize[{str(dtype)[6:]},{granularity},{index_type}]", _quantize_kernel,
-                                _signature(_quantize_kernel, types, const), const)
+            yield KernelVariant(
+                f"quantize[{str(dtype)[6:]},{granularity},{index_type}]",
+                _quantize_kernel,
+                _signature(_quantize_kernel, types, const),
+                const,
+            )
             const = dict(common, OUT_BF16=dtype == torch.bfloat16)
             types = dict(sizes, q_ptr="*u8", out_ptr=POINTER_TYPES[dtype], scale_ptr="*fp32")
-            yield KernelVariant(f"dequantize[{str(dtype)[6:]},{granularity},{index_type}]", _dequantize_kernel,
-                                _signature(_dequantize_kernel, types, const), const)
+            yield KernelVariant(
+                f"dequantize[{str(dtype)[6:]},{granularity},{index_type}]",
+                _dequantize_kernel,
+                _signature(_dequantize_kernel, types, const),
+                const,
+            )

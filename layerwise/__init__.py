@@ -1,15 +1,35 @@
 """layerwise: load BF16 Hugging Face checkpoints as FP8 layer by layer, and hot-reload them in place."""
 
-from layerwise.errors import (CheckpointError, DuplicateWeightError, LayerwiseError, MissingDependencyError,
-                              MissingWeightError, NonFiniteWeightError, ReloadError, UnexpectedWeightError,
-                              UnsupportedArchitectureError, WeightShapeError)
 from layerwise.api import LoadReport, ReloadReport, load_model, load_model_with_report, reload_weights
+from layerwise.errors import (
+    CheckpointError,
+    DuplicateWeightError,
+    LayerwiseError,
+    MissingDependencyError,
+    MissingWeightError,
+    NonFiniteWeightError,
+    ReloadError,
+    UnexpectedWeightError,
+    UnsupportedArchitectureError,
+    WeightShapeError,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "DuplicateWeightError", "LayerwiseError", "LoadReport", "MissingDependencyError",
+    "CheckpointError",
+    "DuplicateWeightError",
+    "LayerwiseError",
+    "LoadReport",
+    "MissingDependencyError",
     "MissingWeightError",
-    "NonFiniteWeightError", "ReloadError", "UnexpectedWeightError", "UnsupportedArchitectureError",
-    "ReloadReport", "WeightShapeError", "load_model", "load_model_with_report", "reload_weights",
+    "NonFiniteWeightError",
+    "ReloadError",
+    "UnexpectedWeightError",
+    "UnsupportedArchitectureError",
+    "ReloadReport",
+    "WeightShapeError",
+    "load_model",
+    "load_model_with_report",
+    "reload_weights",
 ]

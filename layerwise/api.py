@@ -7,8 +7,8 @@ import contextlib
 import hashlib
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from layerwise.reload.kernel_format import copy_kernel_tensors
 from layerwise.reload.session import layerwise_session, record_metadata_for_reloading
 from layerwise.routing import stream_weights
 
-Weights = Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]
+Weights = str | os.PathLike | Iterable[tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -118,9 +118,16 @@ class _Progress:
             self.bar.close()
 
 
-def load_model_with_report(path: str | os.PathLike, quantization: Optional[str] = "fp8", device="cpu",
-                           dtype=None, kernel: Optional[str] = None, fp8_mode: str = "auto",
-                           progress: bool = False, track_memory: bool = True) -> tuple[nn.Module, LoadReport]:
+def load_model_with_report(
+    path: str | os.PathLike,
+    quantization: str | None = "fp8",
+    device="cpu",
+    dtype=None,
+    kernel: str | None = None,
+    fp8_mode: str = "auto",
+    progress: bool = False,
+    track_memory: bool = True,
+) -> tuple[nn.Module, LoadReport]:
     """Like :func:`load_model`, and also returns the :class:`LoadReport`.
 
     Args:
@@ -152,19 +159,33 @@ def load_model_with_report(path: str | os.PathLike, quantization: Optional[str] 
             ckpt.close()
     model.eval()
     report = LoadReport(
-        architecture=arch, num_layers=config.num_hidden_layers, device=str(device),
-        quantization=quant_config.scheme, kernel=quant_config.kernel, dtype=str(params_dtype).replace("torch.", ""),
-        checkpoint_bytes=ckpt.total_bytes, model_bytes=tensor_bytes(model, device),
+        architecture=arch,
+        num_layers=config.num_hidden_layers,
+        device=str(device),
+        quantization=quant_config.scheme,
+        kernel=quant_config.kernel,
+        dtype=str(params_dtype).replace("torch.", ""),
+        checkpoint_bytes=ckpt.total_bytes,
+        model_bytes=tensor_bytes(model, device),
         largest_layer_checkpoint_bytes=max(groups.values()),
         peak_bytes=tracker.peak_bytes if track_memory else -1,
-        seconds=time.perf_counter() - start, memory_tracker=tracker.method if track_memory else "none",
+        seconds=time.perf_counter() - start,
+        memory_tracker=tracker.method if track_memory else "none",
         peak_rss_anon_bytes=tracker.peak_rss_anon_bytes if track_memory else 0,
-        peak_buffered_bytes=session.peak_buffered_bytes, timeline=tracker.timeline if track_memory else [])
+        peak_buffered_bytes=session.peak_buffered_bytes,
+        timeline=tracker.timeline if track_memory else [],
+    )
     return model, report
 
 
-def load_model(path: str | os.PathLike, quantization: Optional[str] = "fp8", device="cpu", dtype=None,
-               kernel: Optional[str] = None, fp8_mode: str = "auto") -> nn.Module:
+def load_model(
+    path: str | os.PathLike,
+    quantization: str | None = "fp8",
+    device="cpu",
+    dtype=None,
+    kernel: str | None = None,
+    fp8_mode: str = "auto",
+) -> nn.Module:
     """Load a Hugging Face checkpoint layer by layer, quantizing decoder Linear weights on the fly.
 
     Modules are built on the meta device; each is materialized on ``device`` only once all of
@@ -201,11 +222,21 @@ def _open_weights(model: nn.Module, weights: Weights):
         ckpt = Checkpoint(weights)
         config = ModelConfig.from_dict(ckpt.config)
         own = model.config
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "vocab_size", "head_dim"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "head_dim",
+        ):
             if getattr(config, name) != getattr(own, name):
-                raise WeightShapeError(f"checkpoint config {name}={getattr(config, name)} differs from the live "
-                                       f"model's {getattr(own, name)}", file=os.path.join(ckpt.path, "config.json"))
+                raise WeightShapeError(
+                    f"checkpoint config {name}={getattr(config, name)} differs from the live "
+                    f"model's {getattr(own, name)}",
+                    file=os.path.join(ckpt.path, "config.json"),
+                )
         return ckpt, ckpt.file_of
     return weights, None
 
@@ -217,8 +248,9 @@ def _reload_error(e: LayerwiseError, updated: list) -> ReloadError:
     return err
 
 
-def reload_weights(model: nn.Module, weights: Weights, *, is_checkpoint_format: bool = True,
-                   atomic: bool = False) -> ReloadReport:
+def reload_weights(
+    model: nn.Module, weights: Weights, *, is_checkpoint_format: bool = True, atomic: bool = False
+) -> ReloadReport:
     """Reload weights into ``model`` in place: every parameter keeps its object, storage and data_ptr.
 
     Args:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -24,8 +24,20 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def layer_group(key: str) -> tuple[int, int]:
@@ -47,7 +59,7 @@ def group_name(key: str) -> str:
     return key.rsplit(".", 1)[0]
 
 
-def _diagnose(path: str) -> Optional[str]:
+def _diagnose(path: str) -> str | None:
     """Why a safetensors file does not open, in words, when it is truncated: the file format is an
     8-byte little-endian header length, a JSON header with each tensor's data_offsets, then the data."""
     size = os.path.getsize(path)
@@ -57,8 +69,10 @@ def _diagnose(path: str) -> Optional[str]:
             return f"the file is truncated: {size} bytes, shorter than the 8-byte header length"
         header_len = int.from_bytes(prefix, "little")
         if 8 + header_len > size:
-            return (f"the file is truncated: {size} bytes, but its header alone needs {8 + header_len} "
-                    f"(an interrupted download or copy?)")
+            return (
+                f"the file is truncated: {size} bytes, but its header alone needs {8 + header_len} "
+                f"(an interrupted download or copy?)"
+            )
         try:
             header = json.loads(f.read(header_len))
         except ValueError:
@@ -66,8 +80,10 @@ def _diagnose(path: str) -> Optional[str]:
     ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and "data_offsets" in t]
     expected = 8 + header_len + max(ends, default=0)
     if size < expected:
-        return (f"the file is truncated: {size} bytes where its header describes {expected} "
-                f"(an interrupted download or copy?)")
+        return (
+            f"the file is truncated: {size} bytes where its header describes {expected} "
+            f"(an interrupted download or copy?)"
+        )
     return None
 
 
@@ -96,8 +112,11 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         if os.path.isfile(self.path):
-            raise CheckpointError(f"{self.path} is a file; pass the checkpoint directory that holds config.json "
-                                  f"and the *.safetensors files", file=self.path)
+            raise CheckpointError(
+                f"{self.path} is a file; pass the checkpoint directory that holds config.json "
+                f"and the *.safetensors files",
+                file=self.path,
+            )
         if not os.path.isdir(self.path):
             raise CheckpointError(f"checkpoint directory does not exist: {self.path}", file=self.path)
         config_path = os.path.join(self.path, CONFIG_NAME)
@@ -122,8 +141,11 @@ class Checkpoint:
                 raise CheckpointError(f"{INDEX_FILE} has no valid weight_map: {e}", file=index_path) from e
             for key, shard in weight_map.items():
                 if not os.path.isfile(os.path.join(self.path, shard)):
-                    raise CheckpointError(f"shard {shard!r} listed in {INDEX_FILE} is missing",
-                                          key=key, file=os.path.join(self.path, shard))
+                    raise CheckpointError(
+                        f"shard {shard!r} listed in {INDEX_FILE} is missing",
+                        key=key,
+                        file=os.path.join(self.path, shard),
+                    )
             return weight_map
         single = os.path.join(self.path, SINGLE_FILE)
         if not os.path.isfile(single):
@@ -148,8 +170,9 @@ class Checkpoint:
             try:
                 sl = handle.get_slice(key)
             except Exception as e:
-                raise CheckpointError(f"tensor listed in {INDEX_FILE} is not in its shard: {e}", key=key,
-                                      file=self.file_of_shard(shard)) from e
+                raise CheckpointError(
+                    f"tensor listed in {INDEX_FILE} is not in its shard: {e}", key=key, file=self.file_of_shard(shard)
+                ) from e
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
             numel = 1
             for s in shape:
@@ -161,7 +184,7 @@ class Checkpoint:
         """Full path of a shard file named in the index."""
         return os.path.join(self.path, shard)
 
-    def file_of(self, key: str) -> Optional[str]:
+    def file_of(self, key: str) -> str | None:
         """Full path of the file holding ``key`` (None for an unknown key)."""
         info = self.tensors.get(key)
         return self.file_of_shard(info.file) if info else None

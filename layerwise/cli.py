@@ -62,8 +62,10 @@ def format_report(report: LoadReport) -> str:
         ("largest layer (checkpoint)", _mib(report.largest_layer_checkpoint_bytes)),
         ("model on device", _mib(report.model_bytes)),
         ("peak on device", f"{_mib(report.peak_bytes)}  [{report.memory_tracker}]"),
-        ("peak - model", f"{_mib(report.peak_bytes - report.model_bytes)} = "
-                         f"{report.overhead_per_layer:.2f} x largest layer"),
+        (
+            "peak - model",
+            f"{_mib(report.peak_bytes - report.model_bytes)} = {report.overhead_per_layer:.2f} x largest layer",
+        ),
         ("peak anonymous RSS (OS)", _mib(report.peak_rss_anon_bytes)),
         ("load time", f"{report.seconds:.2f} s"),
     ]
@@ -72,6 +74,7 @@ def format_report(report: LoadReport) -> str:
 
 
 # ---- checks that need no loading (exit 2) ----
+
 
 def _checkpoint_dir(path: str, option: str) -> str:
     """The checkpoint directory ``path`` names: a directory, or a file inside one (config.json,
@@ -83,10 +86,12 @@ def _checkpoint_dir(path: str, option: str) -> str:
         if (p.parent / "config.json").is_file():
             print(f"layerwise: {option} {path} is a file; using its checkpoint directory {p.parent}", file=sys.stderr)
             return str(p.parent)
-        raise UsageError(f"{option} {path} is a file, not a checkpoint directory (one with config.json and "
-                         f"*.safetensors)")
-    raise UsageError(f"{option} {path}: no such directory; give a checkpoint directory with config.json and "
-                     f"*.safetensors")
+        raise UsageError(
+            f"{option} {path} is a file, not a checkpoint directory (one with config.json and *.safetensors)"
+        )
+    raise UsageError(
+        f"{option} {path}: no such directory; give a checkpoint directory with config.json and *.safetensors"
+    )
 
 
 def _device(text: str) -> torch.device:
@@ -97,8 +102,10 @@ def _device(text: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
-            raise UsageError(f"--device {text}: no CUDA GPU is visible to torch ({build}); use --device cpu, or "
-                             f"install a CUDA build of torch on a machine with a GPU")
+            raise UsageError(
+                f"--device {text}: no CUDA GPU is visible to torch ({build}); use --device cpu, or "
+                f"install a CUDA build of torch on a machine with a GPU"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
     elif device.type != "cpu":
@@ -129,13 +136,15 @@ def _kernel(kernel: str | None) -> None:
 
 # ---- commands ----
 
+
 def _load(args) -> int:
     path = _checkpoint_dir(args.path, "PATH")
     _device(args.device)
     _report_file(args.report)
     _kernel(args.kernel)
-    _, report = load_model_with_report(path, args.quantization, args.device, args.dtype, args.kernel, args.fp8_mode,
-                                       progress=True)
+    _, report = load_model_with_report(
+        path, args.quantization, args.device, args.dtype, args.kernel, args.fp8_mode, progress=True
+    )
     print(format_report(report))
     if args.report:
         with open(args.report, "w") as f:
@@ -168,15 +177,17 @@ def _reload(args) -> int:
     path_a = _checkpoint_dir(args.path_a, "PATH_A") if args.path_a else demo_checkpoint(args.cache_dir, seed=0)
     path_b = _checkpoint_dir(args.path_b, "PATH_B") if args.path_b else demo_checkpoint(args.cache_dir, seed=1)
     prompts = [[1, 17, 42, 7], [5, 3]]
-    engine = Engine.from_pretrained(path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization,
-                                    device=args.device)
+    engine = Engine.from_pretrained(
+        path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization, device=args.device
+    )
     tokens_a = engine.generate(prompts, args.tokens)
     tensors = list(engine.model.named_parameters()) + list(engine.model.named_buffers())
     addresses = {name: (t, t.data_ptr()) for name, t in tensors}
     report = engine.reload_weights(path_b)
     tokens_after = engine.generate(prompts, args.tokens)
-    fresh = Engine.from_pretrained(path_b, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization,
-                                   device=args.device)
+    fresh = Engine.from_pretrained(
+        path_b, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization, device=args.device
+    )
     tokens_b = fresh.generate(prompts, args.tokens)
     now = dict(list(engine.model.named_parameters()) + list(engine.model.named_buffers()))
     kept = sum(now[n] is t and now[n].data_ptr() == ptr for n, (t, ptr) in addresses.items())
@@ -186,8 +197,10 @@ def _reload(args) -> int:
     print(f"fresh engine on B:         {tokens_b}")
     print(f"outputs follow B:          {tokens_after == tokens_b}")
     print(f"tensors kept in place:     {kept}/{len(addresses)} (same object, same data_ptr)")
-    print(f"updated:                   {len(report.updated_decoder_layers)} decoder layers, "
-          f"{len(report.updated_modules)} modules in {report.seconds:.3f} s")
+    print(
+        f"updated:                   {len(report.updated_decoder_layers)} decoder layers, "
+        f"{len(report.updated_modules)} modules in {report.seconds:.3f} s"
+    )
     if engine.use_cuda_graph:
         print(f"CUDA graph captures:       {engine.captures}")
     return 0 if tokens_after == tokens_b and kept == len(addresses) else EXIT_FAILED
@@ -200,19 +213,31 @@ def build_parser() -> argparse.ArgumentParser:
     schemes = " | ".join(scheme_names())
     load = sub.add_parser("load", help="load a checkpoint directory and print a memory/time summary")
     load.add_argument("path", help="directory with config.json and *.safetensors")
-    load.add_argument("--quantization", default="fp8", type=_scheme, metavar="SCHEME",
-                      help=f"{schemes} (case-insensitive; default fp8)")
+    load.add_argument(
+        "--quantization",
+        default="fp8",
+        type=_scheme,
+        metavar="SCHEME",
+        help=f"{schemes} (case-insensitive; default fp8)",
+    )
     load.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     load.add_argument("--dtype", default=None, type=_dtype, help="bfloat16 | float16 | float32 (default: config.json)")
-    load.add_argument("--kernel", default=None, choices=["torch", "triton"],
-                      help="FP8 quantization kernels (default: triton on cuda, torch on cpu)")
+    load.add_argument(
+        "--kernel",
+        default=None,
+        choices=["torch", "triton"],
+        help="FP8 quantization kernels (default: triton on cuda, torch on cpu)",
+    )
     load.add_argument("--fp8-mode", default="auto", choices=["auto", "w8a8", "w8a16"])
     load.add_argument("--report", default=None, metavar="FILE.json", help="write the summary as JSON")
     load.set_defaults(func=_load)
     demo = sub.add_parser("demo", help="generate a small BF16 Qwen3 checkpoint, load it as FP8, generate")
     demo.add_argument("--device", default="cpu")
-    demo.add_argument("--cache-dir", default=None, help="where the demo checkpoint is written (default: "
-                                                         "$LAYERWISE_CACHE or ~/.cache/layerwise)")
+    demo.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where the demo checkpoint is written (default: $LAYERWISE_CACHE or ~/.cache/layerwise)",
+    )
     demo.add_argument("--tokens", type=int, default=8)
     demo.set_defaults(func=_demo)
     reload = sub.add_parser("reload", help="load A, generate, hot-reload B in place, generate, compare with B")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from layerwise.dtypes import DTYPES
 
 
 @dataclass
@@ -32,17 +32,17 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
     partial_rotary_factor: float = 1.0
-    dtype: Optional[torch.dtype] = None
+    dtype: torch.dtype | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Parse a config.json dict. Raises KeyError naming a missing required field."""
         rope = dict(d.get("rope_parameters") or {})
         legacy_scaling = d.get("rope_scaling")
@@ -72,6 +72,6 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
             partial_rotary_factor=float(partial_rotary_factor if partial_rotary_factor is not None else 1.0),
-            dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+            dtype=DTYPES.get(dtype_name.lower()) if isinstance(dtype_name, str) else None,
             raw=d,
         )

@@ -3,15 +3,21 @@ and the ``dtype=`` / ``--dtype`` option (case-insensitive, with the short aliase
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
 
 
-def parse_dtype(dtype) -> Optional[torch.dtype]:
+def parse_dtype(dtype) -> torch.dtype | None:
     """torch.dtype from a dtype or a name ("bfloat16", "BF16", "fp32", "torch.float16"); None stays None.
 
     Raises:

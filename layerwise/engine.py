@@ -9,7 +9,7 @@ recaptured. On CPU the same step runs eagerly.
 from __future__ import annotations
 
 import operator
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -31,17 +31,22 @@ class Engine:
     elements of the embedding dtype.
     """
 
-    def __init__(self, model: nn.Module, max_batch_size: int = 8, max_seq_len: int = 256,
-                 use_cuda_graph: Optional[bool] = None):
+    def __init__(
+        self, model: nn.Module, max_batch_size: int = 8, max_seq_len: int = 256, use_cuda_graph: bool | None = None
+    ):
         self.model = model
         embed = model.model.embed_tokens.weight
         self.device, self.dtype = embed.device, embed.dtype
         cfg = model.config
         attn = model.model.layers[0].self_attn
         shape = (max_batch_size, max_seq_len, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
@@ -50,12 +55,12 @@ class Engine:
         self.use_cuda_graph = use_cuda_graph
         self._ids = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
-        self._logits: Optional[torch.Tensor] = None
-        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self._logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
 
     @classmethod
-    def from_pretrained(cls, path, max_batch_size: int = 8, max_seq_len: int = 256, **load_kwargs) -> "Engine":
+    def from_pretrained(cls, path, max_batch_size: int = 8, max_seq_len: int = 256, **load_kwargs) -> Engine:
         """Load ``path`` with :func:`layerwise.load_model` (same keyword arguments) and wrap it."""
         from layerwise.api import load_model
 
@@ -87,8 +92,9 @@ class Engine:
         return self._logits
 
     @torch.inference_mode()
-    def generate(self, prompts: Union[Sequence[Sequence[int]], torch.Tensor],
-                 max_new_tokens: int) -> Union[list[list[int]], torch.Tensor]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int
+    ) -> list[list[int]] | torch.Tensor:
         """Greedy continuation of each prompt.
 
         Args:
@@ -128,7 +134,7 @@ class Engine:
         for i, prompt in enumerate(prompts):  # prefill one sequence at a time into its cache row
             ids = torch.tensor([prompt], device=self.device)
             pos = torch.arange(len(prompt), device=self.device)[None]
-            caches = [(k[i:i + 1], v[i:i + 1]) for k, v in self.kv_caches]
+            caches = [(k[i : i + 1], v[i : i + 1]) for k, v in self.kv_caches]
             tokens[i, 0] = self.model(ids, pos, caches)[0, -1].argmax()
             positions[i, 0] = len(prompt)
         out = [tokens[:, 0].clone()]
@@ -148,8 +154,10 @@ def _prompt_lists(prompts) -> list[list[int]]:
     """Prompts as lists of Python ints, from a list of int sequences or a 2-D integer tensor."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2 or prompts.is_floating_point() or prompts.is_complex():
-            raise ValueError(f"a prompt tensor must be a 2-D integer tensor [B, T], got {prompts.dtype} "
-                             f"of shape {tuple(prompts.shape)}")
+            raise ValueError(
+                f"a prompt tensor must be a 2-D integer tensor [B, T], got {prompts.dtype} "
+                f"of shape {tuple(prompts.shape)}"
+            )
         return prompts.tolist()
     try:
         return [[operator.index(t) for t in p] for p in prompts]  # ints, numpy ints, 0-d int tensors

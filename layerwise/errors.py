@@ -7,19 +7,17 @@ a key; the loader that fed it adds the key and file (``add_context``) on the way
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class LayerwiseError(Exception):
     """Base class. ``key`` and ``file`` name the checkpoint tensor and file involved, when known."""
 
-    def __init__(self, message: str, key: Optional[str] = None, file: Optional[str] = None):
+    def __init__(self, message: str, key: str | None = None, file: str | None = None):
         super().__init__(message)
         self.message = message
         self.key = key
         self.file = file
 
-    def add_context(self, key: Optional[str] = None, file: Optional[str] = None) -> "LayerwiseError":
+    def add_context(self, key: str | None = None, file: str | None = None) -> LayerwiseError:
         """Fill in key/file if not set yet; returns self so it can be re-raised."""
         self.key = self.key or key
         self.file = self.file or file
@@ -70,7 +68,7 @@ class ReloadError(LayerwiseError):
     def __init__(self, message: str, updated_modules=(), key=None, file=None):
         super().__init__(message, key=key, file=file)
         self.updated_modules = list(updated_modules)
-        self.cause: Optional[LayerwiseError] = None
+        self.cause: LayerwiseError | None = None
 
 
 class MissingDependencyError(LayerwiseError, ImportError):

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -44,7 +43,7 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [p for name in names for p in plain_tensors(getattr(t, name))]
 
 
-def tensor_bytes(module: torch.nn.Module, device: Optional[torch.device] = None) -> int:
+def tensor_bytes(module: torch.nn.Module, device: torch.device | None = None) -> int:
     """Bytes of the distinct storages behind a module's parameters and buffers (tied counted once).
 
     Args:
@@ -82,8 +81,12 @@ class _LiveStorageMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {p.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type == self.device_type for p in plain_tensors(t)}
+        inputs = {
+            p.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type
+            for p in plain_tensors(t)
+        }
         for t in (p for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) for p in plain_tensors(o)):
             if t.device.type != self.device_type:
                 continue
@@ -124,7 +127,7 @@ class DeviceMemoryTracker:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"memory tracking supports cpu and cuda, not {self.device}")
         self.method = "cuda-allocator" if self.device.type == "cuda" else "cpu-live-storages"
-        self._mode: Optional[_LiveStorageMode] = None
+        self._mode: _LiveStorageMode | None = None
         self._t0 = 0.0
         self.final_bytes = 0
         self.peak_rss_anon_bytes = 0
@@ -135,7 +138,7 @@ class DeviceMemoryTracker:
     def _clock(self) -> float:
         return time.perf_counter() - self._t0
 
-    def __enter__(self) -> "DeviceMemoryTracker":
+    def __enter__(self) -> DeviceMemoryTracker:
         self._t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

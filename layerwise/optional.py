@@ -16,8 +16,11 @@ def install_hint(extra: str) -> str:
         requirements = metadata.requires("layerwise") or []
     except metadata.PackageNotFoundError:  # running from a source tree that was never installed
         requirements = []
-    wanted = [r.split(";")[0].strip() for r in requirements
-              if r.replace(" ", "").endswith((f"extra=='{extra}'", f'extra=="{extra}"'))]
+    wanted = [
+        r.split(";")[0].strip()
+        for r in requirements
+        if r.replace(" ", "").endswith((f"extra=='{extra}'", f'extra=="{extra}"'))
+    ]
     direct = f"pip install {' '.join(shlex.quote(r) for r in wanted)}; " if wanted else ""
     return f"{direct}from a source checkout: pip install -e '.[{extra}]'"
 
@@ -36,5 +39,6 @@ def import_optional(module: str, extra: str, purpose: str):
         return importlib.import_module(module)
     except ImportError as e:
         package = module.split(".")[0]
-        raise MissingDependencyError(f"{purpose} needs {package}, which is not installed. Install it: "
-                                     f"{install_hint(extra)}") from e
+        raise MissingDependencyError(
+            f"{purpose} needs {package}, which is not installed. Install it: {install_hint(extra)}"
+        ) from e

@@ -31,5 +31,5 @@ def get_model_class(config: ModelConfig, config_file: str | None = None) -> tupl
         if arch in MODEL_REGISTRY:
             return arch, MODEL_REGISTRY[arch]
     raise UnsupportedArchitectureError(
-        f"unsupported architecture {config.architectures}; supported: {sorted(MODEL_REGISTRY)}",
-        file=config_file)
+        f"unsupported architecture {config.architectures}; supported: {sorted(MODEL_REGISTRY)}", file=config_file
+    )

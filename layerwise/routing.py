@@ -11,7 +11,7 @@ key travels with the call (``key=``), for error messages and the per-module buff
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -30,11 +30,15 @@ def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_i
         if loader is None:
             info = get_layerwise_info(module)
             if info is not None and info.done:  # processed earlier in this load/reload session
-                raise DuplicateWeightError(f"module {info.prefix} was already loaded in this session; "
-                                           f"{info.prefix}.{head} is written again", key=key)
+                raise DuplicateWeightError(
+                    f"module {info.prefix} was already loaded in this session; {info.prefix}.{head} is written again",
+                    key=key,
+                )
             raise UnexpectedWeightError(
                 f"parameter {head!r} of {type(module).__name__} is in kernel format; reload with "
-                f"layerwise.reload_weights instead of calling load_weights directly", key=key)
+                f"layerwise.reload_weights instead of calling load_weights directly",
+                key=key,
+            )
         info = get_layerwise_info(module)
         if info is not None and info.session is not None:  # online_process_loader: buffers with the key
             loader(param, tensor, shard_id, key=key)
@@ -53,8 +57,9 @@ def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_i
     raise UnexpectedWeightError(f"no module {head!r} under {type(module).__name__}", key=key)
 
 
-def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 skip: Optional[Callable[[str], bool]] = None) -> list[str]:
+def load_weights(
+    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: Callable[[str], bool] | None = None
+) -> list[str]:
     """Load (key, tensor) pairs in checkpoint naming into ``module`` (inside a layerwise session).
 
     Args:
@@ -74,14 +79,18 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         try:
             _route(module, key, tensor, key)
         except LayerwiseError as e:
-            raise e.add_context(key=key)
+            e.add_context(key=key)
+            raise
         loaded.append(key)
     return loaded
 
 
-def stream_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                   file_of: Optional[Callable[[str], Optional[str]]] = None,
-                   on_tensor: Optional[Callable[[str], None]] = None) -> None:
+def stream_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    file_of: Callable[[str], str | None] | None = None,
+    on_tensor: Callable[[str], None] | None = None,
+) -> None:
     """Feed (key, tensor) pairs one at a time to ``model.load_weights`` (inside a layerwise session).
 
     Args:
@@ -94,6 +103,7 @@ def stream_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         try:
             model.load_weights([(key, tensor)])
         except LayerwiseError as e:
-            raise e.add_context(key=key, file=file_of(key) if file_of else None)
+            e.add_context(key=key, file=file_of(key) if file_of else None)
+            raise
         if on_tensor is not None:
             on_tensor(key)

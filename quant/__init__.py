@@ -6,7 +6,12 @@ from layerwise.quant.fp8 import Fp8LinearMethod
 from layerwise.quant.parameters import ModelWeightParameter
 
 __all__ = [
-    "Fp8LinearMethod", "ModelWeightParameter", "QuantConfig", "QuantMethod", "parse_scheme", "register_scheme",
+    "Fp8LinearMethod",
+    "ModelWeightParameter",
+    "QuantConfig",
+    "QuantMethod",
+    "parse_scheme",
+    "register_scheme",
     "scheme_names",
     "UnquantizedLinearMethod",
 ]

@@ -8,7 +8,7 @@ A method owns three things for a layer, as in vLLM's ``QuantizeMethodBase``:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,14 +33,21 @@ class QuantMethod:
     #: short name used in reports, e.g. "fp8-per-tensor"
     name = "base"
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: Sequence[int],
-                       params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: Sequence[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
         """Register ``weight`` [sum(output_sizes), input_size] in ``params_dtype`` (checkpoint format).
 
         ``output_sizes`` are this rank's sizes of the fused shards (one entry for unfused layers).
         """
-        weight = ModelWeightParameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
-                                      weight_loader, output_dim=0, input_dim=1)
+        weight = ModelWeightParameter(
+            torch.empty(sum(output_sizes), input_size, dtype=params_dtype), weight_loader, output_dim=0, input_dim=1
+        )
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -51,7 +58,7 @@ class QuantMethod:
         """
         raise NotImplementedError
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ W^T + bias for x [..., in] -> y [..., out] in x.dtype."""
         raise NotImplementedError
 
@@ -64,5 +71,5 @@ class UnquantizedLinearMethod(QuantMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         check_finite(layer)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)

@@ -7,14 +7,14 @@ handler); :func:`parse_scheme` turns a user's string into the canonical scheme o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from layerwise.quant.base import QuantMethod, UnquantizedLinearMethod
 from layerwise.quant.fp8 import FP8_MODES, Fp8LinearMethod
 
 #: (argument after "name:", or None; kernel; fp8_mode) -> a new method for one Linear layer
-SchemeFactory = Callable[[Optional[str], str, str], QuantMethod]
+SchemeFactory = Callable[[str | None, str, str], QuantMethod]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ def register_scheme(name: str, *, aliases: tuple = (), takes_argument: bool = Fa
     Raises:
         ValueError: the name or an alias is taken.
     """
+
     def decorator(factory: SchemeFactory) -> SchemeFactory:
         for n in (name, *aliases):
             if n in _ALIASES:
@@ -56,7 +57,7 @@ def scheme_names() -> list[str]:
     return [f"{n}:<{_SCHEMES[c].help.split()[0]}>" if _SCHEMES[c].takes_argument else n for n, c in _ALIASES.items()]
 
 
-def parse_scheme(text: Optional[str]) -> tuple[str, Optional[str]]:
+def parse_scheme(text: str | None) -> tuple[str, str | None]:
     """(canonical scheme name, argument) from a user's scheme string; None means "none".
 
     Raises:
@@ -119,11 +120,11 @@ class QuantConfig:
         MissingDependencyError: a torchao scheme without torchao installed.
     """
 
-    quantization: Optional[str] = "none"
+    quantization: str | None = "none"
     kernel: str = "torch"
     fp8_mode: str = "auto"
     scheme: str = field(init=False)  # canonical: "fp8-per-tensor", "torchao:Float8WeightOnlyConfig", "none"
-    _argument: Optional[str] = field(init=False, repr=False)
+    _argument: str | None = field(init=False, repr=False)
 
     def __post_init__(self):
         name, argument = parse_scheme(self.quantization)

@@ -29,7 +29,6 @@ This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -141,16 +140,19 @@ class Fp8LinearMethod(QuantMethod):
         if self.mode == "auto" and not (scaled_mm_preferred(weight.device) and aligned):
             return False
         if not (scaled_mm_supported(weight.device) and aligned):
-            raise RuntimeError(f"w8a8 requested but torch._scaled_mm cannot run shape {tuple(weight.shape)} "
-                               f"on {weight.device}")
+            raise RuntimeError(
+                f"w8a8 requested but torch._scaled_mm cannot run shape {tuple(weight.shape)} on {weight.device}"
+            )
         if dtype not in scaled_mm_out_dtypes(self.granularity, weight.device):
-            _warn_once((self.name, dtype, weight.device.type),
-                       f"{self.name}: torch._scaled_mm does not take {dtype} activations on {weight.device.type}; "
-                       f"running W8A16 (dequantize, then matmul) for them instead")
+            _warn_once(
+                (self.name, dtype, weight.device.type),
+                f"{self.name}: torch._scaled_mm does not take {dtype} activations on {weight.device.type}; "
+                f"running W8A16 (dequantize, then matmul) for them instead",
+            )
             return False
         return True
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight, scale = layer.weight, getattr(layer, self.scale_name)
         use_scaled_mm = self._scaled_mm.get(x.dtype)
         if use_scaled_mm is None:  # weight device and shape never change after loading

@@ -6,7 +6,7 @@ arguments), so no attribute is ever set on a plain ``nn.Parameter``.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,24 +28,40 @@ class ModelWeightParameter(nn.Parameter):
         input_dim: dimension split across ranks for row-parallel layers, or None.
     """
 
-    def __new__(cls, data: torch.Tensor, weight_loader: WeightLoader, output_dim: Optional[int] = None,
-                input_dim: Optional[int] = None):
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        weight_loader: WeightLoader,
+        output_dim: int | None = None,
+        input_dim: int | None = None,
+    ):
         return super().__new__(cls, data, requires_grad=False)
 
-    def __init__(self, data: torch.Tensor, weight_loader: WeightLoader, output_dim: Optional[int] = None,
-                 input_dim: Optional[int] = None):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        weight_loader: WeightLoader,
+        output_dim: int | None = None,
+        input_dim: int | None = None,
+    ):
         self.weight_loader = weight_loader
         self.output_dim = output_dim
         self.input_dim = input_dim
 
-    def with_data(self, data: torch.Tensor, weight_loader: Optional[WeightLoader] = None) -> "ModelWeightParameter":
+    def with_data(self, data: torch.Tensor, weight_loader: WeightLoader | None = None) -> ModelWeightParameter:
         """A new parameter of the same type and layout holding ``data`` (same shape required)."""
         if data.shape != self.shape:
             raise ValueError(f"with_data: shape {tuple(data.shape)} != {tuple(self.shape)}")
         return type(self)(data, weight_loader or self.weight_loader, self.output_dim, self.input_dim)
 
-    def load_shard(self, loaded_weight: torch.Tensor, shard_offset: int = 0, shard_size: Optional[int] = None,
-                   tp_rank: int = 0, tp_size: int = 1) -> None:
+    def load_shard(
+        self,
+        loaded_weight: torch.Tensor,
+        shard_offset: int = 0,
+        shard_size: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         """Copy this rank's slice of a checkpoint tensor into a region of the parameter.
 
         Along ``output_dim`` (or ``input_dim`` when output_dim is None) the parameter region is
@@ -68,12 +84,14 @@ class ModelWeightParameter(nn.Parameter):
             expected[dim] = size * tp_size
             if list(loaded_weight.shape) != expected:
                 raise WeightShapeError(
-                    f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(expected)}")
+                    f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(expected)}"
+                )
             if tp_size > 1:
                 source = loaded_weight.narrow(dim, tp_rank * size, size)
         elif loaded_weight.shape != target.shape:
             raise WeightShapeError(
-                f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(target.shape)}")
+                f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(source)
 

@@ -11,8 +11,6 @@ inner qdata/scale storages in place, measured with torchao 0.18).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,8 +79,11 @@ class TorchaoLinearMethod(QuantMethod):
         first = self._quantize(weight[:rows])
         names, ctx = first.__tensor_flatten__()
         inner_first = {name: getattr(first, name) for name in names}
-        row_wise = (isinstance(ctx, dict) and list(ctx.get("block_size", [])) == [1, k]
-                    and all(t.dim() >= 1 and t.shape[0] == rows for t in inner_first.values()))
+        row_wise = (
+            isinstance(ctx, dict)
+            and list(ctx.get("block_size", [])) == [1, k]
+            and all(t.dim() >= 1 and t.shape[0] == rows for t in inner_first.values())
+        )
         if not row_wise:
             return self._quantize(weight)
         inner = {name: t.new_empty((n, *t.shape[1:])) for name, t in inner_first.items()}
@@ -90,9 +91,9 @@ class TorchaoLinearMethod(QuantMethod):
             inner[name][:rows].copy_(t)
         del first, inner_first
         for r0 in range(rows, n, rows):
-            part = self._quantize(weight[r0:r0 + rows])
+            part = self._quantize(weight[r0 : r0 + rows])
             for name in names:
-                inner[name][r0:r0 + rows].copy_(getattr(part, name))
+                inner[name][r0 : r0 + rows].copy_(getattr(part, name))
         return type(part).__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -101,5 +102,5 @@ class TorchaoLinearMethod(QuantMethod):
         del layer.weight
         layer.weight = nn.Parameter(quantized, requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)

@@ -15,5 +15,12 @@ def hf_checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_8_layers(tmp_path_factory):
     """An 8-layer Qwen3 checkpoint whose decoder layers outweigh its embedding."""
-    return write_hf_checkpoint(tmp_path_factory.mktemp("qwen3-8"), "Qwen3ForCausalLM", num_layers=8,
-                               hidden=128, intermediate=384, vocab=256, max_shard_size="200KB")
+    return write_hf_checkpoint(
+        tmp_path_factory.mktemp("qwen3-8"),
+        "Qwen3ForCausalLM",
+        num_layers=8,
+        hidden=128,
+        intermediate=384,
+        vocab=256,
+        max_shard_size="200KB",
+    )

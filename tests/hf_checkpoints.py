@@ -11,40 +11,84 @@ from pathlib import Path
 import torch
 
 
-def hf_config(arch: str, num_layers: int = 2, hidden: int = 64, intermediate: int = 160, vocab: int = 128,
-              tie: bool | None = None, **overrides):
+def hf_config(
+    arch: str,
+    num_layers: int = 2,
+    hidden: int = 64,
+    intermediate: int = 160,
+    vocab: int = 128,
+    tie: bool | None = None,
+    **overrides,
+):
     """A tiny transformers config of ``arch``; ``overrides`` (Mistral and Phi3 only) replace its fields."""
     import transformers
 
     if overrides and arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):
         raise ValueError(f"config overrides are implemented for Mistral and Phi3 only, not {arch}")
-    common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab,
-                  initializer_range=0.05, max_position_embeddings=256)
+    common = dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        vocab_size=vocab,
+        initializer_range=0.05,
+        max_position_embeddings=256,
+    )
     if arch == "LlamaForCausalLM":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-        return transformers.LlamaConfig(**common, rope_parameters=rope,
-                                        tie_word_embeddings=False if tie is None else tie)
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return transformers.LlamaConfig(
+            **common, rope_parameters=rope, tie_word_embeddings=False if tie is None else tie
+        )
     if arch == "Qwen2ForCausalLM":
-        return transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                        tie_word_embeddings=True if tie is None else tie)
+        return transformers.Qwen2Config(
+            **common,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            tie_word_embeddings=True if tie is None else tie,
+        )
     if arch == "Qwen3ForCausalLM":
-        return transformers.Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                        tie_word_embeddings=False if tie is None else tie)
+        return transformers.Qwen3Config(
+            **common,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            tie_word_embeddings=False if tie is None else tie,
+        )
     # a window of 8 under test sequences of 16-24 tokens, so that it matters
     if arch == "MistralForCausalLM":
-        return transformers.MistralConfig(**{**common, "sliding_window": 8, "tie_word_embeddings": bool(tie),
-                                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-                                             **overrides})
+        return transformers.MistralConfig(
+            **{
+                **common,
+                "sliding_window": 8,
+                "tie_word_embeddings": bool(tie),
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                **overrides,
+            }
+        )
     if arch == "Phi3ForCausalLM":  # Phi3Config's token ids (32000) lie outside the tiny vocabulary
-        return transformers.Phi3Config(**{**common, "sliding_window": 8, "tie_word_embeddings": bool(tie),
-                                          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides})
+        return transformers.Phi3Config(
+            **{
+                **common,
+                "sliding_window": 8,
+                "tie_word_embeddings": bool(tie),
+                "pad_token_id": 0,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                **overrides,
+            }
+        )
     raise ValueError(arch)
 
 
-def write_hf_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: str = "64KB",
-                        outlier_rows: bool = False, **kw) -> Path:
+def write_hf_checkpoint(
+    path: Path, arch: str, seed: int = 0, max_shard_size: str = "64KB", outlier_rows: bool = False, **kw
+) -> Path:
     """Build a random model of ``arch`` with transformers and save_pretrained it in BF16.
 
     outlier_rows: scale one output row of every decoder Linear weight by 50.
@@ -70,8 +114,7 @@ def hf_logits(path: Path, input_ids: torch.Tensor) -> torch.Tensor:
     """transformers' own float32 forward of the checkpoint at ``path``: logits [B, T, vocab]."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         return model(input_ids).logits.float()

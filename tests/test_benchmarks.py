@@ -19,8 +19,11 @@ REFERENCE = REPO / "benchmarks" / "results"
 
 def _snapshot(folder: Path) -> dict:
     """name -> (mtime_ns, sha256) of every file under ``folder``."""
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_path, monkeypatch):
@@ -40,8 +43,15 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
     assert set(rows) == set(methods.split(","))
     for r in rows.values():
         assert "error" not in r, r
-        for field in ("peak_bytes", "final_bytes", "peak_over_final", "overhead_over_largest_layer", "seconds",
-                      "time_over_floor", "timeline"):
+        for field in (
+            "peak_bytes",
+            "final_bytes",
+            "peak_over_final",
+            "overhead_over_largest_layer",
+            "seconds",
+            "time_over_floor",
+            "timeline",
+        ):
             assert field in r, (r["method"], field)
         assert r["peak_bytes"] >= r["final_bytes"] > 0
     # the same tracker sees the naive path hold the whole BF16 model, and layerwise not
@@ -49,11 +59,29 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
 
 
 def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(tmp_path):
-    assert reload_latency.main(["--size", "small", "--repeats", "1", "--out-dir", str(tmp_path / "new" / "dir"),
-                                "--name", "rl", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert (
+        reload_latency.main(
+            [
+                "--size",
+                "small",
+                "--repeats",
+                "1",
+                "--out-dir",
+                str(tmp_path / "new" / "dir"),
+                "--name",
+                "rl",
+                "--cache-dir",
+                str(tmp_path / "cache"),
+            ]
+        )
+        == 0
+    )
     cases = {r["case"]: r for r in json.loads((tmp_path / "new" / "dir" / "rl.json").read_text())["results"]}
-    for name in ("fp8-per-tensor: in-memory stream", "none (bf16): in-memory stream",
-                 "fp8-per-tensor: from disk (page cache warm)"):
+    for name in (
+        "fp8-per-tensor: in-memory stream",
+        "none (bf16): in-memory stream",
+        "fp8-per-tensor: from disk (page cache warm)",
+    ):
         assert cases[name]["seconds"] > 0 and cases[name]["over_floor"] > 0
     config = tmp_path / "cache" / "llama-small" / "config.json"
     written = config.stat().st_mtime_ns
@@ -74,8 +102,17 @@ def test_bench_help_shows_the_public_options_only(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "worker" not in out.lower() and "SUPPRESS" not in out
-    for text in ("usage: layerwise bench", "Peak device memory and load time", "--size", "--device", "--methods",
-                 "--out-dir", "--cache-dir", "layerwise-results", "benchmarks/results"):
+    for text in (
+        "usage: layerwise bench",
+        "Peak device memory and load time",
+        "--size",
+        "--device",
+        "--methods",
+        "--out-dir",
+        "--cache-dir",
+        "layerwise-results",
+        "benchmarks/results",
+    ):
         assert text in out, text
 
 
@@ -118,6 +155,6 @@ def test_readme_follows_a_changed_figure(tmp_path):
     assert readme.main(args) == 0
     after = (tmp_path / "README.md").read_text()
     assert "| floor: copy_ BF16 tensors | 0.123 | 1.00 |" in after and after != before
-    head, tail = before[:readme.BEGIN.search(before).end()], before.split(readme.END, 1)[1]
+    head, tail = before[: readme.BEGIN.search(before).end()], before.split(readme.END, 1)[1]
     assert after.startswith(head) and after.endswith(readme.END + tail)  # only the marked section changed
     assert readme.main(["--check", *args]) == 0

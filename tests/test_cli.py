@@ -7,8 +7,17 @@ import pytest
 
 from layerwise.cli import main
 
-REPORT_FIELDS = {"architecture", "num_layers", "device", "quantization", "checkpoint_bytes", "model_bytes",
-                 "largest_layer_checkpoint_bytes", "peak_bytes", "seconds"}
+REPORT_FIELDS = {
+    "architecture",
+    "num_layers",
+    "device",
+    "quantization",
+    "checkpoint_bytes",
+    "model_bytes",
+    "largest_layer_checkpoint_bytes",
+    "peak_bytes",
+    "seconds",
+}
 
 
 def test_load_writes_report(hf_checkpoint, tmp_path, capsys):

@@ -18,8 +18,9 @@ KEY = "model.layers.1.mlp.up_proj.weight"
 
 def _run(*args, env_extra=None, cwd=None):
     env = dict(os.environ, **(env_extra or {}))
-    proc = subprocess.run([sys.executable, "-m", "layerwise.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-m", "layerwise.cli", *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
 
@@ -134,8 +135,9 @@ def _without(tmp_path, package):
 
 
 def test_missing_torchao_names_the_pip_line(ckpt, tmp_path):
-    proc = _run("load", str(ckpt), "--quantization", "torchao:Float8WeightOnlyConfig",
-                env_extra=_without(tmp_path, "torchao"))
+    proc = _run(
+        "load", str(ckpt), "--quantization", "torchao:Float8WeightOnlyConfig", env_extra=_without(tmp_path, "torchao")
+    )
     assert proc.returncode == 1 and "torchao" in proc.stderr and "pip install 'torchao" in proc.stderr
 
 
@@ -151,6 +153,10 @@ def test_reload_needs_both_paths(ckpt):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "layerwise.cli", "--debug", "load", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "layerwise.cli", "--debug", "load", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "Traceback" in proc.stderr

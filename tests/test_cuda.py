@@ -16,8 +16,7 @@ from layerwise.kernels import GRANULARITIES, fp8_dequantize, fp8_quantize_weight
 from layerwise.kernels.fp8_tiles import quantize_triton
 from tests.hf_checkpoints import hf_logits, sqnr_db
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SCHEMES = ["fp8-per-tensor", "fp8-per-channel", "fp8-per-block"]
 
@@ -106,8 +105,9 @@ def test_fp16_per_channel_w8a8_falls_back_with_one_warning(hf_checkpoint, caplog
 
     monkeypatch.setattr(quant_fp8, "_WARNED", set())
     path = hf_checkpoint[1]
-    model = layerwise.load_model(path, quantization="fp8-per-channel", device="cuda", dtype=torch.float16,
-                                 fp8_mode="w8a8")
+    model = layerwise.load_model(
+        path, quantization="fp8-per-channel", device="cuda", dtype=torch.float16, fp8_mode="w8a8"
+    )
     ids = torch.randint(0, 128, (1, 8), device="cuda")
     with caplog.at_level(logging.WARNING, logger="layerwise.quant.fp8"):
         with torch.no_grad():

@@ -24,11 +24,19 @@ def test_lists_and_a_long_tensor_give_the_same_tokens(engine):
     assert engine.generate(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), 0).shape == (2, 0)
 
 
-@pytest.mark.parametrize("prompts,error", [
-    ([[1.5, 2]], TypeError), ("abc", TypeError), (torch.ones(2, 3), ValueError),
-    (torch.ones(3, dtype=torch.long), ValueError), ([[1, 64]], ValueError), ([[]], ValueError),
-    ([[1]] * 4, ValueError), ([[1] * 20], ValueError),
-])
+@pytest.mark.parametrize(
+    "prompts,error",
+    [
+        ([[1.5, 2]], TypeError),
+        ("abc", TypeError),
+        (torch.ones(2, 3), ValueError),
+        (torch.ones(3, dtype=torch.long), ValueError),
+        ([[1, 64]], ValueError),
+        ([[]], ValueError),
+        ([[1]] * 4, ValueError),
+        ([[1] * 20], ValueError),
+    ],
+)
 def test_bad_prompts_are_clear_errors(engine, prompts, error):
     with pytest.raises(error):
         engine.generate(prompts, 5)

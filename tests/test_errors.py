@@ -12,9 +12,18 @@ import layerwise
 from layerwise.demo import write_checkpoint
 
 TINY = {
-    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
 }
 KEY = "model.layers.1.mlp.up_proj.weight"
 
@@ -91,8 +100,13 @@ def test_rotary_inv_freq_is_skipped(ckpt):
 
 
 def test_shape_mismatch(ckpt):
-    shard = _edit(ckpt, KEY, lambda t: t.update({KEY: torch.zeros(TINY["intermediate_size"] + 1,
-                                                                   TINY["hidden_size"], dtype=torch.bfloat16)}))
+    shard = _edit(
+        ckpt,
+        KEY,
+        lambda t: t.update(
+            {KEY: torch.zeros(TINY["intermediate_size"] + 1, TINY["hidden_size"], dtype=torch.bfloat16)}
+        ),
+    )
     with pytest.raises(layerwise.WeightShapeError) as e:
         layerwise.load_model(ckpt)
     assert e.value.key == KEY
@@ -105,6 +119,7 @@ def test_non_finite_weight(ckpt, bad, key):
     def poison(t):
         t[key] = t[key].clone()
         t[key].view(-1)[3] = bad
+
     _edit(ckpt, key, poison)
     with pytest.raises(layerwise.NonFiniteWeightError) as e:
         layerwise.load_model(ckpt)
@@ -122,6 +137,7 @@ def test_non_finite_bias(tmp_path_factory, bad, quantization):
     def poison(t):
         t[key] = t[key].clone()
         t[key][5] = bad
+
     _edit(path, key, poison)
     with pytest.raises(layerwise.NonFiniteWeightError) as e:
         layerwise.load_model(path, quantization=quantization)

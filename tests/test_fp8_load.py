@@ -33,8 +33,11 @@ def _expected_fp8(w: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torc
     return (w / per_element).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
-SCHEMES = {"fp8": ("tensor", "weight_scale"), "fp8-per-channel": ("channel", "weight_scale"),
-           "fp8-per-block": ("block", "weight_scale_inv")}
+SCHEMES = {
+    "fp8": ("tensor", "weight_scale"),
+    "fp8-per-channel": ("channel", "weight_scale"),
+    "fp8-per-block": ("block", "weight_scale_inv"),
+}
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -74,8 +77,10 @@ def test_per_tensor_bytes_equal_torchao_float8_quantization(hf_checkpoint):
     ckpt = Checkpoint(path)
     model = layerwise.load_model(path, quantization="fp8")
     layer = model.model.layers[0]
-    for module, key in ((layer.mlp.down_proj, "model.layers.0.mlp.down_proj.weight"),
-                        (layer.self_attn.o_proj, "model.layers.0.self_attn.o_proj.weight")):
+    for module, key in (
+        (layer.mlp.down_proj, "model.layers.0.mlp.down_proj.weight"),
+        (layer.self_attn.o_proj, "model.layers.0.self_attn.o_proj.weight"),
+    ):
         # in float32: torchao computes amax / 448 in the input dtype, which for bf16 rounds the scale
         w = _checkpoint_tensor(ckpt, key).float()
         scale = quant_primitives._choose_scale_float8(w, block_size=list(w.shape), float8_dtype=torch.float8_e4m3fn)
@@ -103,5 +108,7 @@ def test_triton_kernel_load_equals_torch_kernel_load(qwen3_8_layers):
     for name, pa in state_a.items():
         pb = state_b[name]
         assert pa.dtype == pb.dtype
-        assert torch.equal(pa.view(torch.uint8) if pa.dtype == torch.float8_e4m3fn else pa,
-                           pb.view(torch.uint8) if pb.dtype == torch.float8_e4m3fn else pb), name
+        assert torch.equal(
+            pa.view(torch.uint8) if pa.dtype == torch.float8_e4m3fn else pa,
+            pb.view(torch.uint8) if pb.dtype == torch.float8_e4m3fn else pb,
+        ), name

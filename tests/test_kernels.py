@@ -4,12 +4,19 @@ import pytest
 import torch
 
 from layerwise import kernels
-from layerwise.kernels import (GRANULARITIES, fp8_amax, fp8_dequantize, fp8_quantize, fp8_quantize_weight,
-                     scale_from_amax, scale_shape)
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import cpu_fused, reference
-from layerwise.kernels.fp8_tiles import quantize_triton
-from layerwise.kernels.fp8_tiles import amax_triton
+from layerwise.kernels import (
+    GRANULARITIES,
+    cpu_fused,
+    fp8_amax,
+    fp8_dequantize,
+    fp8_quantize,
+    fp8_quantize_weight,
+    reference,
+    scale_from_amax,
+    scale_shape,
+)
+from layerwise.kernels.fp8_tiles import amax_triton, quantize_triton
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SHAPES = [(1, 1), (7, 13), (257, 4099), (300, 200)]  # none a multiple of the 128 x 128 block but 1x1
@@ -26,8 +33,9 @@ def _check(w, granularity):
     assert torch.equal(s_ref, s_tri)
     assert torch.equal(_bits(q_ref), _bits(q_tri))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert torch.equal(_bits(fp8_dequantize(q_ref, s_ref, dtype, "torch")),
-                           _bits(fp8_dequantize(q_ref, s_ref, dtype, "triton")))
+        assert torch.equal(
+            _bits(fp8_dequantize(q_ref, s_ref, dtype, "torch")), _bits(fp8_dequantize(q_ref, s_ref, dtype, "triton"))
+        )
     return q_ref, s_ref
 
 
@@ -75,8 +83,25 @@ def test_every_rounding_boundary_with_unit_scale(device):
     # dense sweep across and past the e4m3 range, plus values that carry into the next binade
     # (125.07 -> 128 in torch; a plain interpreter cast gives 64), signed zeros, subnormals, saturation
     x = torch.linspace(-460, 460, 300_001)
-    special = torch.tensor([125.07, 239.9, -0.0, 0.0, 1e-40, -1e-40, 2.0 ** -10, 3 * 2.0 ** -11,
-                            -(2.0 ** -10), 448.0, -448.0, 449.0, 464.0, 1e30, -1e30])
+    special = torch.tensor(
+        [
+            125.07,
+            239.9,
+            -0.0,
+            0.0,
+            1e-40,
+            -1e-40,
+            2.0**-10,
+            3 * 2.0**-11,
+            -(2.0**-10),
+            448.0,
+            -448.0,
+            449.0,
+            464.0,
+            1e30,
+            -1e30,
+        ]
+    )
     x = torch.cat([x, special]).to(device)
     one = torch.ones((), device=device)
     assert torch.equal(_bits(reference.quantize(x, one)), _bits(quantize_triton(x, one)))
@@ -137,9 +162,11 @@ def test_custom_ops_trace_under_torch_compile():
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)  # fails on a graph break
     assert torch.equal(compiled(w), f(w))
-    cases = [(torch.ops.layerwise.fp8_amax_triton, (w, "block")),
-             (torch.ops.layerwise.fp8_quantize_triton, (w, torch.ones(40, 1))),
-             (torch.ops.layerwise.fp8_dequantize_triton, (w.to(torch.float8_e4m3fn), torch.ones(1), torch.bfloat16))]
+    cases = [
+        (torch.ops.layerwise.fp8_amax_triton, (w, "block")),
+        (torch.ops.layerwise.fp8_quantize_triton, (w, torch.ones(40, 1))),
+        (torch.ops.layerwise.fp8_dequantize_triton, (w.to(torch.float8_e4m3fn), torch.ones(1), torch.bfloat16)),
+    ]
     for op, args in cases:  # the fake implementations agree with the real ones on shape and dtype
         torch.library.opcheck(op, args, test_utils=("test_faketensor",))
 
@@ -147,8 +174,11 @@ def test_custom_ops_trace_under_torch_compile():
 def test_fused_cpu_quantize_is_bit_exact(monkeypatch):
     monkeypatch.setattr(cpu_fused, "FUSED_MIN_NUMEL", 1)
     g = torch.Generator().manual_seed(3)
-    for w in [torch.randn(257, 4099, generator=g).bfloat16(), torch.randn(33, 7, generator=g) * 1e-39,
-              torch.cat([torch.linspace(-460, 460, 30001), torch.tensor([125.07, -0.0, 1e-40, -1e-40, 1e30])])]:
+    for w in [
+        torch.randn(257, 4099, generator=g).bfloat16(),
+        torch.randn(33, 7, generator=g) * 1e-39,
+        torch.cat([torch.linspace(-460, 460, 30001), torch.tensor([125.07, -0.0, 1e-40, -1e-40, 1e30])]),
+    ]:
         assert cpu_fused.use_fused(w, "tensor")
         scale = scale_from_amax(reference.amax(w))
         assert torch.equal(_bits(fp8_quantize(w, scale, "torch")), _bits(reference.quantize(w, scale)))

@@ -5,10 +5,10 @@ layerwise.quant; the leaf modules layerwise.errors and layerwise.optional may be
 """
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 LEAVES = {"layerwise.errors", "layerwise.optional"}
@@ -50,5 +50,7 @@ def test_the_wheel_installs_only_the_layerwise_namespace():
     assert all(p == "layerwise" or p.startswith("layerwise.") for p in config["packages"])
     for package, folder in config["package-dir"].items():
         assert (ROOT / folder / "__init__.py").is_file() and package == f"layerwise.{folder}"
-    on_disk = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for p in (ROOT / "layerwise").rglob("__init__.py")}
+    on_disk = {
+        p.parent.relative_to(ROOT).as_posix().replace("/", ".") for p in (ROOT / "layerwise").rglob("__init__.py")
+    }
     assert on_disk <= set(config["packages"]), "a layerwise subpackage is missing from pyproject's packages"

@@ -1,8 +1,8 @@
 """Peak device memory during a load, from the independent tracker."""
 
 import torch
-from safetensors.torch import save_file
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import layerwise
 from layerwise.memory import DeviceMemoryTracker, tensor_bytes
@@ -57,10 +57,10 @@ def _live_storage_bytes(refs) -> int:
 
 
 def test_deleted_model_releases_every_byte(qwen3_8_layers):
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     import gc
     import weakref
+
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     for reload in (False, True):
         model = layerwise.load_model(qwen3_8_layers, quantization="fp8")

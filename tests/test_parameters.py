@@ -16,7 +16,7 @@ def test_column_parallel_rank_takes_its_rows_into_a_fused_shard(tp_rank):
     full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)  # checkpoint shard, 8 output rows
     p = _param((10, 3), output_dim=0)  # this rank's fused weight: 4 rows of this shard at offset 6
     p.load_shard(full, shard_offset=6, shard_size=4, tp_rank=tp_rank, tp_size=2)
-    assert torch.equal(p[6:10], full[4 * tp_rank:4 * tp_rank + 4])
+    assert torch.equal(p[6:10], full[4 * tp_rank : 4 * tp_rank + 4])
     assert not p[:6].any()
 
 
@@ -25,7 +25,7 @@ def test_row_parallel_rank_takes_its_columns(tp_rank):
     full = torch.arange(3 * 8, dtype=torch.float32).view(3, 8)
     p = _param((3, 4), input_dim=1)
     p.load_shard(full, tp_rank=tp_rank, tp_size=2)
-    assert torch.equal(p, full[:, 4 * tp_rank:4 * tp_rank + 4])
+    assert torch.equal(p, full[:, 4 * tp_rank : 4 * tp_rank + 4])
 
 
 def test_shape_mismatch_names_both_shapes():

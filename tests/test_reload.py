@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import layerwise
+from layerwise.api import model_digest
 from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
 from layerwise.memory import DeviceMemoryTracker
-from layerwise.api import model_digest
 from tests.hf_checkpoints import write_hf_checkpoint
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM"]  # Qwen2 here is tied, Qwen3 untied
@@ -20,8 +20,10 @@ def pair(request, tmp_path_factory):
     """(A, B): two checkpoints of the same architecture and shape with different weights."""
     arch = request.param
     root = tmp_path_factory.mktemp(f"reload-{arch}")
-    return (write_hf_checkpoint(root / "a", arch, seed=0, num_layers=3),
-            write_hf_checkpoint(root / "b", arch, seed=1, num_layers=3))
+    return (
+        write_hf_checkpoint(root / "a", arch, seed=0, num_layers=3),
+        write_hf_checkpoint(root / "b", arch, seed=1, num_layers=3),
+    )
 
 
 def _bytes(t):
@@ -37,8 +39,10 @@ def _assert_same_bytes(model, reference):
 
 
 def _snapshot(model):
-    return {n: (t, t.data_ptr(), t.dtype, t.shape, t.stride())
-            for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    return {
+        n: (t, t.data_ptr(), t.dtype, t.shape, t.stride())
+        for n, t in list(model.named_parameters()) + list(model.named_buffers())
+    }
 
 
 def _assert_in_place(model, snap):
@@ -82,7 +86,9 @@ def test_partial_update_changes_only_named_layers(pair):
     report = layerwise.reload_weights(model, stream)
     assert set(report.updated_modules) == {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"} | (
         {"model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.k_norm"}
-        if model.config.architectures == ["Qwen3ForCausalLM"] else set())
+        if model.config.architectures == ["Qwen3ForCausalLM"]
+        else set()
+    )
     sd, sa, sb = model.state_dict(), reference_a.state_dict(), reference_b.state_dict()
     for name in sd:
         expected = sb if name.startswith("model.layers.1.self_attn.") and "rotary" not in name else sa
@@ -200,13 +206,22 @@ def test_kernel_format_reload_copies_fp8_directly(pair):
     _assert_in_place(model, snap)
     _assert_same_bytes(model, fresh_b)
     with pytest.raises(layerwise.ReloadError):
-        layerwise.reload_weights(model, [("model.layers.0.mlp.down_proj.weight", torch.zeros(3))],
-                                 is_checkpoint_format=False)
+        layerwise.reload_weights(
+            model, [("model.layers.0.mlp.down_proj.weight", torch.zeros(3))], is_checkpoint_format=False
+        )
 
 
 def test_reload_peak_is_bounded_by_one_module_transient(qwen3_8_layers, tmp_path):
-    b = write_hf_checkpoint(tmp_path / "b", "Qwen3ForCausalLM", seed=5, num_layers=8, hidden=128,
-                            intermediate=384, vocab=256, max_shard_size="200KB")
+    b = write_hf_checkpoint(
+        tmp_path / "b",
+        "Qwen3ForCausalLM",
+        seed=5,
+        num_layers=8,
+        hidden=128,
+        intermediate=384,
+        vocab=256,
+        max_shard_size="200KB",
+    )
     model, report = layerwise.load_model_with_report(qwen3_8_layers)
     with DeviceMemoryTracker("cpu") as tracker:  # counts only what the reload allocates
         layerwise.reload_weights(model, b)

@@ -14,19 +14,26 @@ from layerwise.routing import load_weights
 class _Attention(nn.Module):
     def __init__(self):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(6, 2, 2, 1, bias=True, quant_method=UnquantizedLinearMethod(),
-                                          params_dtype=torch.float32)
-        self.o_proj = RowParallelLinear(4, 6, bias=False, quant_method=UnquantizedLinearMethod(),
-                                        params_dtype=torch.float32)
+        self.qkv_proj = QKVParallelLinear(
+            6, 2, 2, 1, bias=True, quant_method=UnquantizedLinearMethod(), params_dtype=torch.float32
+        )
+        self.o_proj = RowParallelLinear(
+            4, 6, bias=False, quant_method=UnquantizedLinearMethod(), params_dtype=torch.float32
+        )
 
 
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.self_attn = _Attention()
-        self.gate_up_proj = MergedColumnParallelLinear(6, [3, 3], checkpoint_shards={"gate_proj": 0, "up_proj": 1},
-                                                       bias=False, quant_method=UnquantizedLinearMethod(),
-                                                       params_dtype=torch.float32)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            6,
+            [3, 3],
+            checkpoint_shards={"gate_proj": 0, "up_proj": 1},
+            bias=False,
+            quant_method=UnquantizedLinearMethod(),
+            params_dtype=torch.float32,
+        )
 
 
 def _recording_tree():
@@ -34,20 +41,24 @@ def _recording_tree():
     block, calls = _Block(), []
     for module_name, module in block.named_modules():
         for name, p in module.named_parameters(recurse=False):
-            p.weight_loader = (lambda param, w, shard_id=None, *, key=None, _n=f"{module_name}.{name}":
-                               calls.append((_n, shard_id, key)))
+            p.weight_loader = lambda param, w, shard_id=None, *, key=None, _n=f"{module_name}.{name}": calls.append(
+                (_n, shard_id, key)
+            )
     return block, calls
 
 
-@pytest.mark.parametrize("key,target,shard_id", [
-    ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", "q"),
-    ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", "k"),
-    ("self_attn.v_proj.bias", "self_attn.qkv_proj.bias", "v"),
-    ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.weight", None),  # an already-fused tensor (Phi-3)
-    ("self_attn.o_proj.weight", "self_attn.o_proj.weight", None),
-    ("gate_proj.weight", "gate_up_proj.weight", 0),
-    ("up_proj.weight", "gate_up_proj.weight", 1),
-])
+@pytest.mark.parametrize(
+    "key,target,shard_id",
+    [
+        ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", "q"),
+        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", "k"),
+        ("self_attn.v_proj.bias", "self_attn.qkv_proj.bias", "v"),
+        ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.weight", None),  # an already-fused tensor (Phi-3)
+        ("self_attn.o_proj.weight", "self_attn.o_proj.weight", None),
+        ("gate_proj.weight", "gate_up_proj.weight", 0),
+        ("up_proj.weight", "gate_up_proj.weight", 1),
+    ],
+)
 def test_keys_route_to_their_parameter_and_shard(key, target, shard_id):
     block, calls = _recording_tree()
     assert load_weights(block, [(key, torch.zeros(1))]) == [key]

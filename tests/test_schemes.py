@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import layerwise
-from layerwise.kernels import fp8_dequantize, fp8_quantize_weight
 from layerwise.checkpoint import Checkpoint
 from layerwise.cli import main
+from layerwise.kernels import fp8_dequantize, fp8_quantize_weight
 from tests.hf_checkpoints import hf_logits, sqnr_db, write_hf_checkpoint
 
 TORCHAO = ["torchao:Float8WeightOnlyConfig", "torchao:Int8WeightOnlyConfig"]
@@ -34,8 +34,9 @@ def test_w8a16_sqnr_on_8_layers(qwen3_8_layers, scheme):
 
 
 def test_per_channel_beats_per_tensor_on_outlier_rows(tmp_path):
-    path = write_hf_checkpoint(tmp_path / "outliers", "LlamaForCausalLM", num_layers=4, hidden=128,
-                               intermediate=256, outlier_rows=True)
+    path = write_hf_checkpoint(
+        tmp_path / "outliers", "LlamaForCausalLM", num_layers=4, hidden=128, intermediate=256, outlier_rows=True
+    )
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
     ref = hf_logits(path, ids)
     db, weight_db = {}, {}
@@ -64,18 +65,20 @@ def test_fused_per_tensor_scale_matches_unfused_within_fp8_error():
     fused_out = x @ fp8_dequantize(fused_q, fused_scale, torch.float32).t()
     starts = (0, 256, 320)
     assert len(starts) == len(shards)
-    for start, w in zip(starts, shards):
+    for start, w in zip(starts, shards, strict=True):
         ref = x @ w.t()
         unfused_out = x @ fp8_dequantize(*fp8_quantize_weight(w), torch.float32).t()
-        fused_db = sqnr_db(ref, fused_out[:, start:start + w.shape[0]])
+        fused_db = sqnr_db(ref, fused_out[:, start : start + w.shape[0]])
         unfused_db = sqnr_db(ref, unfused_out)
         assert fused_db >= 25 and fused_db >= unfused_db - 3, (fused_db, unfused_db)
     # the documented cost: a shard ~1e4x below the fused amax falls into e4m3's subnormal range
     small = torch.cat([shards[0] * 1e4, shards[2]])
     q, s = fp8_quantize_weight(small)
     tail = fp8_dequantize(q, s, torch.float32)[256:]
-    assert sqnr_db(shards[2], tail) < sqnr_db(shards[2], fp8_dequantize(*fp8_quantize_weight(shards[2]),
-                                                                        torch.float32)) - 3
+    assert (
+        sqnr_db(shards[2], tail)
+        < sqnr_db(shards[2], fp8_dequantize(*fp8_quantize_weight(shards[2]), torch.float32)) - 3
+    )
 
 
 # peak - model in units of the largest decoder layer's checkpoint bytes, as measured on this checkpoint
@@ -124,7 +127,7 @@ def test_reload_in_place_for_every_scheme(tmp_path, scheme):
         inner, inner_fresh = plain_tensors(p.data), plain_tensors(fresh[name].data)
         assert [t.data_ptr() for t in inner] == [ptr for _, ptr in before[name]], name
         assert len(inner) == len(inner_fresh), name
-        for t, f in zip(inner, inner_fresh):
+        for t, f in zip(inner, inner_fresh, strict=True):
             assert torch.equal(t.reshape(-1).view(torch.uint8), f.reshape(-1).view(torch.uint8)), name
 
 
@@ -142,25 +145,23 @@ def test_unknown_torchao_config_is_a_clear_error(hf_checkpoint):
         layerwise.load_model(hf_checkpoint[1], quantization="torchao:NoSuchConfig")
 
 
-def test_w8a8_with_an_activation_dtype_scaled_mm_refuses_falls_back_with_one_warning(qwen3_8_layers, caplog,
-                                                                                    monkeypatch):
+def test_w8a8_with_an_activation_dtype_scaled_mm_refuses_falls_back_with_one_warning(
+    qwen3_8_layers, caplog, monkeypatch
+):
     import logging
 
     import layerwise.quant.fp8 as quant_fp8
 
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
-    w8a16 = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16,
-                                 fp8_mode="w8a16")
-    model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16,
-                                 fp8_mode="w8a8")
+    w8a16 = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16, fp8_mode="w8a16")
+    model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16, fp8_mode="w8a8")
     with torch.no_grad():
         w8a8 = model(ids)  # CPU's _scaled_mm takes fp16: W8A8 runs, and differs from W8A16
     assert w8a8.dtype == torch.float16 and not torch.equal(w8a8, w8a16(ids))
     # as on CUDA, where row-wise _scaled_mm writes bf16 only
     monkeypatch.setattr(quant_fp8, "scaled_mm_out_dtypes", lambda granularity, device: (torch.bfloat16,))
     monkeypatch.setattr(quant_fp8, "_WARNED", set())
-    model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16,
-                                 fp8_mode="w8a8")
+    model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16, fp8_mode="w8a8")
     with caplog.at_level(logging.WARNING, logger="layerwise.quant.fp8"), torch.no_grad():
         out = model(ids)
         model(ids)

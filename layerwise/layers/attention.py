@@ -7,8 +7,6 @@ positions in (p - W, p]: W keys including its own, the convention of transformer
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -25,8 +23,9 @@ def _visible(q_pos: torch.Tensor, kv_pos: torch.Tensor, sliding_window: int | No
     return mask
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
     """Full causal attention with grouped-query heads, over sequence indices 0..T-1.
 
     Args:
@@ -48,9 +47,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(1, 2).reshape(b, t, hq * d)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Write k/v at ``positions`` into a static cache, then attend to every cached position <= own
     (and, with ``sliding_window`` W, > own - W).
 
@@ -73,14 +78,19 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     length = k_cache.shape[1]
     mask = _visible(positions[:, :, None], torch.arange(length, device=q.device), sliding_window)  # [B, T, L]
     groups = hq // k_cache.shape[2]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), _expand_kv(k_cache.transpose(1, 2), groups),
-                                         _expand_kv(v_cache.transpose(1, 2), groups), attn_mask=mask[:, None],
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        _expand_kv(k_cache.transpose(1, 2), groups),
+        _expand_kv(v_cache.transpose(1, 2), groups),
+        attn_mask=mask[:, None],
+        scale=scale,
+    )
     return out.transpose(1, 2).reshape(b, t, hq * d)
 
 
-def attention(q, k, v, positions, kv_cache: Optional[tuple], scale: float,
-              sliding_window: int | None = None) -> torch.Tensor:
+def attention(
+    q, k, v, positions, kv_cache: tuple | None, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
     """Causal attention over the sequence itself (no cache) or over a static KV cache.
 
     Shapes as in :func:`causal_attention` / :func:`cached_attention`; ``sliding_window`` as there.

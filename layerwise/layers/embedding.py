@@ -17,8 +17,11 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_embeddings = num_embeddings
-        self.weight = ModelWeightParameter(torch.empty(num_embeddings // self.tp_size, embedding_dim,
-                                                       dtype=params_dtype), self.weight_loader, output_dim=0)
+        self.weight = ModelWeightParameter(
+            torch.empty(num_embeddings // self.tp_size, embedding_dim, dtype=params_dtype),
+            self.weight_loader,
+            output_dim=0,
+        )
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         param.load_shard(loaded_weight, tp_rank=self.tp_rank, tp_size=self.tp_size)
@@ -34,4 +37,3 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
-

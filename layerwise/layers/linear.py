@@ -11,8 +11,8 @@ With tp_size == 1 (the only size wired up so far) the narrowing is the identity.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -35,8 +35,15 @@ class LinearBase(nn.Module):
     #: checkpoint module names this layer absorbs -> shard_id (empty: the layer's own name only)
     checkpoint_shards: Mapping[str, Hashable] = MappingProxyType({})
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], *, bias: bool, quant_method: QuantMethod,
-                 params_dtype: torch.dtype):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool,
+        quant_method: QuantMethod,
+        params_dtype: torch.dtype,
+    ):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size = input_size
@@ -44,8 +51,9 @@ class LinearBase(nn.Module):
         self.quant_method = quant_method
         quant_method.create_weights(self, input_size, self.output_sizes, params_dtype, self.weight_loader)
         if bias:
-            self.bias = ModelWeightParameter(torch.empty(sum(self.output_sizes), dtype=params_dtype),
-                                             self.weight_loader, output_dim=0)
+            self.bias = ModelWeightParameter(
+                torch.empty(sum(self.output_sizes), dtype=params_dtype), self.weight_loader, output_dim=0
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -69,13 +77,22 @@ class MergedColumnParallelLinear(LinearBase):
             this layer's own name (Phi-3's gate_up_proj) loads it whole (shard_id None).
     """
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], *, checkpoint_shards: Mapping[str, Hashable],
-                 bias: bool, quant_method: QuantMethod, params_dtype: torch.dtype):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        checkpoint_shards: Mapping[str, Hashable],
+        bias: bool,
+        quant_method: QuantMethod,
+        params_dtype: torch.dtype,
+    ):
         if len(output_sizes) != len(checkpoint_shards):
             raise ValueError(f"{len(output_sizes)} output sizes for {len(checkpoint_shards)} checkpoint shards")
         tp = get_tp_size()
-        super().__init__(input_size, [s // tp for s in output_sizes], bias=bias, quant_method=quant_method,
-                         params_dtype=params_dtype)
+        super().__init__(
+            input_size, [s // tp for s in output_sizes], bias=bias, quant_method=quant_method, params_dtype=params_dtype
+        )
         self.checkpoint_shards = MappingProxyType(dict(checkpoint_shards))
         self._shard_index = {shard_id: i for i, shard_id in enumerate(self.checkpoint_shards.values())}
 
@@ -98,20 +115,36 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     Output layout per rank: [num_heads * head_dim | num_kv_heads * head_dim | num_kv_heads * head_dim].
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool,
-                 quant_method: QuantMethod, params_dtype: torch.dtype):
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         checkpoint_shards={"q_proj": "q", "k_proj": "k", "v_proj": "v"}, bias=bias,
-                         quant_method=quant_method, params_dtype=params_dtype)
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        quant_method: QuantMethod,
+        params_dtype: torch.dtype,
+    ):
+        super().__init__(
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            checkpoint_shards={"q_proj": "q", "k_proj": "k", "v_proj": "v"},
+            bias=bias,
+            quant_method=quant_method,
+            params_dtype=params_dtype,
+        )
 
 
 class RowParallelLinear(LinearBase):
     """Input dimension split across ranks (the partial sums are all-reduced once TP lands)."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool, quant_method: QuantMethod,
-                 params_dtype: torch.dtype):
-        super().__init__(input_size // get_tp_size(), [output_size], bias=bias, quant_method=quant_method,
-                         params_dtype=params_dtype)
+    def __init__(
+        self, input_size: int, output_size: int, *, bias: bool, quant_method: QuantMethod, params_dtype: torch.dtype
+    ):
+        super().__init__(
+            input_size // get_tp_size(), [output_size], bias=bias, quant_method=quant_method, params_dtype=params_dtype
+        )
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         if shard_id is not None:

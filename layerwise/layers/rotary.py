@@ -12,7 +12,6 @@ checkpoints); cos/sin are computed per call in float32 from the positions.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from torch import nn
 def default_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """inv_freq[i] = theta^(-2i / head_dim), float32 [head_dim / 2] on ``device``."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
-    return 1.0 / (theta ** exponents)
+    return 1.0 / (theta**exponents)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -39,8 +38,9 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict, max_position_embeddings: int,
-                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, float]:
+def longrope_inv_freq(
+    rotary_dim: int, theta: float, scaling: dict, max_position_embeddings: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """LongRoPE frequencies as transformers' ``_compute_longrope_parameters``.
 
     Args:
@@ -58,14 +58,12 @@ def longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict, max_position
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    powers = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(torch.float32)
-                       / rotary_dim)
+    powers = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / rotary_dim)
     freqs = []
     for name in ("short_factor", "long_factor"):
         ext = torch.tensor(scaling[name], dtype=torch.float32, device=device)
         if ext.shape != powers.shape:
-            raise ValueError(f"longrope {name} has {ext.numel()} entries, expected {powers.numel()} "
-                             f"(rotary_dim / 2)")
+            raise ValueError(f"longrope {name} has {ext.numel()} entries, expected {powers.numel()} (rotary_dim / 2)")
         freqs.append(1.0 / (ext * powers))
     return freqs[0], freqs[1], attention_factor
 
@@ -86,8 +84,16 @@ class RotaryEmbedding(nn.Module):
         ValueError: an unsupported ``rope_type``.
     """
 
-    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: Optional[dict], device: torch.device, *,
-                 rotary_dim: int | None = None, max_position_embeddings: int | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        rope_theta: float,
+        rope_scaling: dict | None,
+        device: torch.device,
+        *,
+        rotary_dim: int | None = None,
+        max_position_embeddings: int | None = None,
+    ):
         super().__init__()
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.attention_factor = 1.0
@@ -101,7 +107,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
         elif rope_type == "longrope":
             inv_freq, long_inv_freq, self.attention_factor = longrope_inv_freq(
-                self.rotary_dim, rope_theta, rope_scaling, max_position_embeddings, device)
+                self.rotary_dim, rope_theta, rope_scaling, max_position_embeddings, device
+            )
             self.original_max_position_embeddings = rope_scaling["original_max_position_embeddings"]
         elif rope_type != "default":
             raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, longrope)")
@@ -114,7 +121,7 @@ class RotaryEmbedding(nn.Module):
             is_long = positions.max() + 1 > self.original_max_position_embeddings
             inv_freq = torch.where(is_long, self.long_inv_freq, self.inv_freq)
         freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]     # [B, T, 1, R]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, R]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
@@ -123,5 +130,7 @@ class RotaryEmbedding(nn.Module):
         if r == q.shape[-1]:
             return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         q_rot, k_rot = q[..., :r], k[..., :r]
-        return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q[..., r:]), dim=-1),
-                torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k[..., r:]), dim=-1))
+        return (
+            torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q[..., r:]), dim=-1),
+            torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k[..., r:]), dim=-1),
+        )

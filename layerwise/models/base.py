@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from layerwise.config import ModelConfig
-from layerwise.routing import load_weights
 from layerwise.quant.config import QuantConfig
+from layerwise.routing import load_weights
 
 
 class CausalLM(nn.Module):
@@ -26,8 +26,7 @@ class CausalLM(nn.Module):
             parameters are created on whatever device is current (meta during a layerwise load).
     """
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.config = config
 
@@ -41,8 +40,9 @@ class CausalLM(nn.Module):
         """Route (checkpoint key, tensor) pairs to the parameters' weight loaders (see layerwise/routing.py)."""
         return load_weights(self, weights, skip=self.skip_checkpoint_key)
 
-    def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                kv_caches: Optional[list] = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_caches: list | None = None
+    ) -> torch.Tensor:
         """Logits for a batch of token ids.
 
         Args:

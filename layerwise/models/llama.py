@@ -6,8 +6,6 @@ except that q/k/v and gate/up are fused layers that declare the checkpoint names
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,11 +27,20 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, checkpoint_shards={"gate_proj": 0, "up_proj": 1},
-            bias=False, quant_method=quant_config.get_linear_method(f"{prefix}.gate_up_proj"), params_dtype=dtype)
+            config.hidden_size,
+            [config.intermediate_size] * 2,
+            checkpoint_shards={"gate_proj": 0, "up_proj": 1},
+            bias=False,
+            quant_method=quant_config.get_linear_method(f"{prefix}.gate_up_proj"),
+            params_dtype=dtype,
+        )
         self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=False,
-            quant_method=quant_config.get_linear_method(f"{prefix}.down_proj"), params_dtype=dtype)
+            config.intermediate_size,
+            config.hidden_size,
+            bias=False,
+            quant_method=quant_config.get_linear_method(f"{prefix}.down_proj"),
+            params_dtype=dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -46,38 +53,54 @@ class LlamaAttention(nn.Module):
     qkv_bias = None  # None: from config.attention_bias; Qwen2 forces True
     uses_sliding_window = False  # True: attend to config.sliding_window keys at most (Mistral, Phi-3)
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
-                 device: torch.device, prefix: str):
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, device: torch.device, prefix: str
+    ):
         super().__init__()
         tp = get_tp_size()
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = max(1, config.num_key_value_heads // tp)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         bias = config.attention_bias if self.qkv_bias is None else self.qkv_bias
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=bias,
-            quant_method=quant_config.get_linear_method(f"{prefix}.qkv_proj"), params_dtype=dtype)
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=bias,
+            quant_method=quant_config.get_linear_method(f"{prefix}.qkv_proj"),
+            params_dtype=dtype,
+        )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size,
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
             bias=config.attention_bias and self.qkv_bias is None,
-            quant_method=quant_config.get_linear_method(f"{prefix}.o_proj"), params_dtype=dtype)
+            quant_method=quant_config.get_linear_method(f"{prefix}.o_proj"),
+            params_dtype=dtype,
+        )
         self.rotary_emb = self.make_rotary(config, device)
         self.sliding_window = config.sliding_window if self.uses_sliding_window else None
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
-            raise ValueError(f"config.json sliding_window must be a positive integer or null, "
-                             f"got {self.sliding_window!r}")
+            raise ValueError(
+                f"config.json sliding_window must be a positive integer or null, got {self.sliding_window!r}"
+            )
 
     def make_rotary(self, config: ModelConfig, device: torch.device) -> RotaryEmbedding:
         """Hook for the rotary embedding (Phi-3 rotates part of each head)."""
-        return RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling, device,
-                               max_position_embeddings=config.max_position_embeddings)
+        return RotaryEmbedding(
+            self.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            device,
+            max_position_embeddings=config.max_position_embeddings,
+        )
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         """Hook for per-head q/k normalization (identity in Llama)."""
         return q, k
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[tuple] = None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -94,15 +117,16 @@ class LlamaDecoderLayer(nn.Module):
 
     attention_cls = LlamaAttention
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
-                 device: torch.device, prefix: str):
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, device: torch.device, prefix: str
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.self_attn = self.attention_cls(config, quant_config, dtype, device, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.mlp = LlamaMLP(config, quant_config, dtype, f"{prefix}.mlp")
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Optional[tuple] = None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None) -> torch.Tensor:
         h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -110,15 +134,22 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """embed_tokens -> N decoder layers -> final norm."""
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
-                 device: torch.device, layer_cls=LlamaDecoderLayer):
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        layer_cls=LlamaDecoderLayer,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype)
-        self.layers = nn.ModuleList(layer_cls(config, quant_config, dtype, device, f"model.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            layer_cls(config, quant_config, dtype, device, f"model.layers.{i}") for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Optional[list] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(positions, x, None if kv_caches is None else kv_caches[i])
@@ -130,8 +161,7 @@ class LlamaForCausalLM(CausalLM):
 
     decoder_layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype, device: torch.device):
         super().__init__(config, quant_config, params_dtype, device)
         self.model = LlamaModel(config, quant_config, params_dtype, device, self.decoder_layer_cls)
         if config.tie_word_embeddings:

@@ -13,8 +13,9 @@ from layerwise.quant.config import QuantConfig
 class Qwen3Attention(LlamaAttention):
     """Adds q_norm and k_norm, RMSNorm over head_dim applied to every head."""
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype,
-                 device: torch.device, prefix: str):
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, device: torch.device, prefix: str
+    ):
         super().__init__(config, quant_config, dtype, device, prefix)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)

@@ -42,6 +42,12 @@ from layerwise.reload.session import (
 from layerwise.reload.types import LayerReloadingInfo
 
 __all__ = [
-    "LayerReloadingInfo", "abort_layerwise_reload", "finalize_layerwise_reload", "get_layerwise_info",
-    "initialize_layerwise_reload", "layerwise_session", "online_process_loader", "record_metadata_for_reloading",
+    "LayerReloadingInfo",
+    "abort_layerwise_reload",
+    "finalize_layerwise_reload",
+    "get_layerwise_info",
+    "initialize_layerwise_reload",
+    "layerwise_session",
+    "online_process_loader",
+    "record_metadata_for_reloading",
 ]

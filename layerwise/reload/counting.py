@@ -9,7 +9,8 @@ write from a missing one.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,8 +39,9 @@ def _to_meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
-def record_loader_writes(loader: Callable, meta_param: torch.Tensor, loaded_weight: torch.Tensor,
-                         shard_id: Any) -> list:
+def record_loader_writes(
+    loader: Callable, meta_param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any
+) -> list:
     """Run ``loader(meta_param, loaded_weight on meta, shard_id)`` and return its writes.
 
     Returns:

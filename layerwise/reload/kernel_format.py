@@ -7,7 +7,7 @@ is written; with ``atomic`` every tensor is checked and staged before any is wri
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -16,8 +16,9 @@ from layerwise.errors import NonFiniteWeightError, UnexpectedWeightError, Weight
 from layerwise.kernels import has_non_finite
 
 
-def copy_kernel_tensors(model: nn.Module, stream: Iterable[tuple[str, torch.Tensor]], atomic: bool,
-                        updated: list) -> None:
+def copy_kernel_tensors(
+    model: nn.Module, stream: Iterable[tuple[str, torch.Tensor]], atomic: bool, updated: list
+) -> None:
     """Copy each (name, tensor) of ``stream`` into the parameter or buffer of that name.
 
     Args:
@@ -41,8 +42,10 @@ def copy_kernel_tensors(model: nn.Module, stream: Iterable[tuple[str, torch.Tens
         if target is None:
             raise UnexpectedWeightError("no parameter or buffer of this name in the model", key=name)
         if tensor.shape != target.shape or tensor.dtype != target.dtype:
-            raise WeightShapeError(f"kernel tensor is {target.dtype}{tuple(target.shape)}, got "
-                                   f"{tensor.dtype}{tuple(tensor.shape)}", key=name)
+            raise WeightShapeError(
+                f"kernel tensor is {target.dtype}{tuple(target.shape)}, got {tensor.dtype}{tuple(tensor.shape)}",
+                key=name,
+            )
         if has_non_finite(tensor):
             raise NonFiniteWeightError("non-finite value (NaN or Inf)", key=name)
         if atomic:

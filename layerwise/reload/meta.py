@@ -43,8 +43,9 @@ def materialize_layer(layer: nn.Module, info: LayerReloadingInfo, device: torch.
     original (unwrapped) weight loader, so replayed loads write real memory.
     """
     fresh = {
-        name: meta.with_data(torch.empty(meta.shape, dtype=meta.dtype, device=device),
-                             weight_loader=info.weight_loaders[name])
+        name: meta.with_data(
+            torch.empty(meta.shape, dtype=meta.dtype, device=device), weight_loader=info.weight_loaders[name]
+        )
         for name, meta in info.restore_metadata.items()
     }
     set_layer_tensors(layer, fresh)

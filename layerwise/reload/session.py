@@ -20,13 +20,12 @@ Where this goes beyond vLLM, and what it does not do, is listed in ``layerwise/r
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from layerwise.errors import (DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError,
-                              ReloadError)
+from layerwise.errors import DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError, ReloadError
 from layerwise.kernels import has_non_finite
 from layerwise.quant.base import check_finite
 from layerwise.quant.parameters import ModelWeightParameter
@@ -42,16 +41,16 @@ _INFO_ATTR = "_layerwise_info"  # on each module with parameters: its LayerReloa
 _SESSION_ATTR = "_layerwise_session"  # on the model, between initialize and finalize/abort
 
 
-def get_layerwise_info(module: nn.Module) -> Optional[LayerReloadingInfo]:
+def get_layerwise_info(module: nn.Module) -> LayerReloadingInfo | None:
     """The LayerReloadingInfo recorded for ``module``, or None if it has no parameters of its own."""
     return module.__dict__.get(_INFO_ATTR)
 
 
-def _session(model: nn.Module) -> Optional[ReloadSession]:
+def _session(model: nn.Module) -> ReloadSession | None:
     return model.__dict__.get(_SESSION_ATTR)
 
 
-def _end_session(model: nn.Module) -> Optional[ReloadSession]:
+def _end_session(model: nn.Module) -> ReloadSession | None:
     return model.__dict__.pop(_SESSION_ATTR, None)
 
 
@@ -78,18 +77,22 @@ def record_metadata_for_reloading(model: nn.Module) -> None:
             continue
         for name, p in params.items():
             if not isinstance(p, ModelWeightParameter) or p.device.type != "meta":
-                raise TypeError(f"{prefix}.{name}: expected a meta ModelWeightParameter, got "
-                                f"{type(p).__name__} on {p.device}")
+                raise TypeError(
+                    f"{prefix}.{name}: expected a meta ModelWeightParameter, got {type(p).__name__} on {p.device}"
+                )
         info = LayerReloadingInfo(
-            prefix=prefix, restore_metadata=params,
+            prefix=prefix,
+            restore_metadata=params,
             weight_loaders={n: p.weight_loader for n, p in params.items()},
-            load_numel_total=sum(p.numel() for p in params.values()))
+            load_numel_total=sum(p.numel() for p in params.values()),
+        )
         info.reset()
         module.__dict__[_INFO_ATTR] = info
 
 
-def initialize_layerwise_reload(model: nn.Module, device: Optional[torch.device] = None,
-                                atomic: bool = False) -> ReloadSession:
+def initialize_layerwise_reload(
+    model: nn.Module, device: torch.device | None = None, atomic: bool = False
+) -> ReloadSession:
     """Put every module in checkpoint format on meta and wrap its loaders with online_process_loader.
 
     Args:
@@ -142,11 +145,13 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
     original = info.weight_loaders[param_name]
     meta_param = info.restore_metadata[param_name]
 
-    def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None, *, key: Optional[str] = None):
+    def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None, *, key: str | None = None):
         session = info.session  # always set: loaders are wrapped only inside a session
         if info.done:
-            raise DuplicateWeightError(f"module {info.prefix} was already loaded in this session; "
-                                       f"{info.prefix}.{param_name} is written again", key=key)
+            raise DuplicateWeightError(
+                f"module {info.prefix} was already loaded in this session; {info.prefix}.{param_name} is written again",
+                key=key,
+            )
         writes = record_loader_writes(original, meta_param, loaded_weight, shard_id)
         numel = written_numel(writes)
         completes = info.load_numel + numel >= info.load_numel_total
@@ -174,14 +179,14 @@ def _coverage_problems(info: LayerReloadingInfo) -> tuple[list[str], list[str]]:
     return missing, doubled
 
 
-def _find_non_finite_key(info: LayerReloadingInfo) -> Optional[str]:
+def _find_non_finite_key(info: LayerReloadingInfo) -> str | None:
     for buffered in info.loaded_weights:
         if has_non_finite(buffered.loaded_weight):
             return buffered.key
     return None
 
 
-def _process_module(module: nn.Module, info: LayerReloadingInfo, key: Optional[str]) -> None:
+def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None) -> None:
     """Materialize -> replay -> process_weights_after_loading -> commit or stage (``key``: the
     checkpoint key whose load completed the module, named by coverage errors)."""
     session = info.session
@@ -192,8 +197,9 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: Optional[s
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
     materialize_layer(module, info, session.device)
     for buffered in info.loaded_weights:
-        info.weight_loaders[buffered.param_name](module._parameters[buffered.param_name], buffered.loaded_weight,
-                                                 buffered.shard_id)
+        info.weight_loaders[buffered.param_name](
+            module._parameters[buffered.param_name], buffered.loaded_weight, buffered.shard_id
+        )
     try:
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
@@ -202,8 +208,9 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: Optional[s
             check_finite(module)
     except NonFiniteWeightError as e:
         restore_layer_on_meta(module, info)
-        raise NonFiniteWeightError(f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
-                                   key=_find_non_finite_key(info)) from e
+        raise NonFiniteWeightError(
+            f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}", key=_find_non_finite_key(info)
+        ) from e
     processed = layer_tensors(module)
     if info.kernel_tensors:
         _check_kernel_format(info, processed)
@@ -212,8 +219,7 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: Optional[s
             restore_layer_on_meta(module, info)
         else:
             _commit(module, info, processed)
-    session.buffered_bytes -= sum(b.loaded_weight.numel() * b.loaded_weight.element_size()
-                                  for b in info.loaded_weights)
+    session.buffered_bytes -= sum(b.loaded_weight.numel() * b.loaded_weight.element_size() for b in info.loaded_weights)
     info.loaded_weights = []
     info.done = True
     session.processed.append(info.prefix)
@@ -221,13 +227,17 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: Optional[s
 
 def _check_kernel_format(info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
     if set(processed) != set(info.kernel_tensors):
-        raise LayerwiseError(f"module {info.prefix}: processing produced {sorted(processed)}, "
-                             f"but the live model holds {sorted(info.kernel_tensors)}")
+        raise LayerwiseError(
+            f"module {info.prefix}: processing produced {sorted(processed)}, "
+            f"but the live model holds {sorted(info.kernel_tensors)}"
+        )
     for name, new in processed.items():
         old = info.kernel_tensors[name]
         if new.shape != old.shape or new.dtype != old.dtype:
-            raise LayerwiseError(f"{info.prefix}.{name}: processed {new.dtype}{tuple(new.shape)} does not "
-                                 f"fit the kernel tensor {old.dtype}{tuple(old.shape)}")
+            raise LayerwiseError(
+                f"{info.prefix}.{name}: processed {new.dtype}{tuple(new.shape)} does not "
+                f"fit the kernel tensor {old.dtype}{tuple(old.shape)}"
+            )
 
 
 def _commit(module: nn.Module, info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
@@ -307,8 +317,9 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
 
 
 @contextlib.contextmanager
-def layerwise_session(model: nn.Module, *, device: Optional[torch.device] = None,
-                      atomic: bool = False) -> Iterator[ReloadSession]:
+def layerwise_session(
+    model: nn.Module, *, device: torch.device | None = None, atomic: bool = False
+) -> Iterator[ReloadSession]:
     """initialize -> (the caller streams weights) -> finalize, or abort on any error.
 
     The one session sequence that load, reload and weight sync share (vLLM's start / update /

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ class BufferedLoad:
     param_name: str
     loaded_weight: torch.Tensor
     shard_id: Any
-    key: Optional[str]
+    key: str | None
 
 
 @dataclass
@@ -54,7 +55,7 @@ class LayerReloadingInfo:
     kernel_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     done: bool = False
-    session: Optional["ReloadSession"] = None
+    session: ReloadSession | None = None
 
     def reset(self) -> None:
         """Forget everything about the current session (buffers, counts, staged values)."""
@@ -100,7 +101,7 @@ def intervals_of_view(offset: int, sizes: tuple, strides: tuple) -> tuple[np.nda
     Returns:
         (starts int64 [n], length): the view covers [s, s + length) for each s in starts.
     """
-    dims = [(s, st) for s, st in zip(sizes, strides) if s != 1]
+    dims = [(s, st) for s, st in zip(sizes, strides, strict=True) if s != 1]
     if any(s == 0 for s in sizes):
         return np.zeros(0, dtype=np.int64), 0
     if not dims:

@@ -20,6 +20,7 @@ def _shard_loader(offsets):
     def loader(param, loaded_weight, shard_id=None):
         offset, size = offsets[shard_id]
         param.load_shard(loaded_weight, offset, size)
+
     return loader
 
 

@@ -50,9 +50,11 @@ def test_contiguous_runs_are_merged():
 
 def test_coverage_counts_missing_and_doubled_elements():
     numel = 48
-    writes = [intervals_of_view(0, (2, 6), (6, 1)),  # elements 0..11
-              intervals_of_view(6, (2, 6), (6, 1)),  # 6..17: 6 doubled
-              intervals_of_view(30, (3, 2), (6, 1))]  # 30,31,36,37,42,43
+    writes = [
+        intervals_of_view(0, (2, 6), (6, 1)),  # elements 0..11
+        intervals_of_view(6, (2, 6), (6, 1)),  # 6..17: 6 doubled
+        intervals_of_view(30, (3, 2), (6, 1)),
+    ]  # 30,31,36,37,42,43
     written = [_elements(s, n) for s, n in writes]
     union = set().union(*written)
     doubled = sum(len(a) for a in written) - len(union)
