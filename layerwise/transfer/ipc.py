@@ -1,0 +1,307 @@
+"""Backend "ipc": a trainer and an engine on the same machine share memory instead of sending bytes.
+
+Design after vLLM's ``vllm/distributed/weight_transfer/ipc_engine.py`` (CUDA IPC handles from
+``torch.multiprocessing.reductions.reduce_tensor``, carried by the update info) and its packed IPC
+producer (``packed_tensor.py``: one reusable buffer, one chunk per request).
+
+    trainer                                                    engine
+    trainer_send_weights(iterator, args):
+      CUDA tensor -> reduce_tensor(tensor) (no copy)
+      CPU tensor  -> copied into a shared-memory segment
+      every buffer_size_bytes: args.send_update(update info) --> receive_weight_update(model, engine, info)
+                               (blocks until the engine is done)     maps each tensor, load_weights([(name, t)])
+
+Security: a handle is a pickled object (for CUDA, a function and its arguments) naming memory of the
+trainer process. Unpickling it can run arbitrary code, and mapping it reads another process's memory:
+handles must never come from, or travel through, an untrusted process. The engine refuses to work
+unless its init info sets ``allow_pickled_handles=True`` (vLLM requires VLLM_ALLOW_INSECURE_SERIALIZATION
+for the same reason).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from layerwise.transfer.base import (
+    LoadWeights,
+    TensorListUpdateInfo,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    dtype_name,
+)
+from layerwise.transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES, Bucket, BucketLayout, flat_bytes
+
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,250}$")  # a file name in /dev/shm, no path
+_SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class IPCWeightTransferInitInfo(WeightTransferInitInfo):
+    """Attributes:
+    allow_pickled_handles: opt in to unpickling and mapping the trainer's handles. Set it only when the
+        trainer, and everything the update info passes through, is trusted (see the module docstring).
+    """
+
+    allow_pickled_handles: bool = False
+
+
+@dataclass(kw_only=True)
+class IPCWeightTransferUpdateInfo(TensorListUpdateInfo):
+    """One chunk of an update: the tensors, and one handle per tensor.
+
+    Attributes:
+        names / dtype_names / shapes / is_checkpoint_format: see TensorListUpdateInfo.
+        ipc_handles: one handle per tensor, as objects: ``{"shm_name": str, "offset": int}`` (bytes
+            [offset, offset + nbytes) of a shared-memory segment) or ``{"gpu_uuid": str, "cuda":
+            (rebuild_cuda_tensor, args)}`` (``reduce_tensor`` of a CUDA tensor).
+        ipc_handles_pickled: the same list as base64 of its pickle (for JSON control planes).
+        Exactly one of the two is given; the pickled form is decoded only by an engine that opted in.
+    """
+
+    ipc_handles: list | None = None
+    ipc_handles_pickled: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.ipc_handles is None) == (self.ipc_handles_pickled is None):
+            raise ValueError("update info: give exactly one of ipc_handles and ipc_handles_pickled")
+        if self.ipc_handles is not None and len(self.ipc_handles) != len(self.names):
+            raise ValueError(
+                f"update info: ipc_handles has {len(self.ipc_handles)} entries, names has {len(self.names)}"
+            )
+
+
+@dataclass
+class IPCTrainerSendWeightsArgs:
+    """Trainer-side arguments of :meth:`IPCWeightTransferEngine.trainer_send_weights`.
+
+    Attributes:
+        send_update: delivers one update-info dict (JSON-able) to the engine, which passes it to
+            ``receive_weight_update`` (or ``WeightUpdate.receive``); must return only once the engine
+            is done with it, since the trainer then reuses the memory. Raises what the engine raised.
+        buffer_size_bytes: bytes of tensors per chunk (one ``send_update`` call); a larger tensor is alone.
+            CPU tensors are copied into one shared-memory segment of this size, reused for every chunk.
+        is_checkpoint_format: written into every chunk's update info.
+    """
+
+    send_update: Callable[[dict], Any]
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    is_checkpoint_format: bool = True
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _map_segment(name: str, tensor_name: str) -> torch.Tensor:
+    """The whole shared-memory segment ``name`` as a uint8 tensor (a MAP_SHARED mapping, released with the
+    last view of it; no Python buffer export, no resource tracker)."""
+    if not isinstance(name, str) or not _SHM_NAME.match(name.lstrip("/")):
+        raise ValueError(f"ipc handle of tensor {tensor_name!r}: {name!r} is not a shared-memory segment name")
+    path = os.path.join(_SHM_DIR, name.lstrip("/"))
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise ValueError(f"ipc handle of tensor {tensor_name!r}: no shared-memory segment {name!r} ({e})") from e
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo]):
+    """Receive weights from a trainer on the same machine through CUDA IPC or shared memory.
+
+    Design: vLLM's ``IPCWeightTransferEngine`` (vllm/distributed/weight_transfer/ipc_engine.py). Tensors are
+    mapped, not copied: ``load_weights`` reads the trainer's memory directly. CPU shared memory is Linux's
+    /dev/shm.
+
+    Args:
+        device: the engine's CUDA device, whose UUID a CUDA handle must name (ignored for CPU handles).
+    """
+
+    init_info_cls = IPCWeightTransferInitInfo
+    update_info_cls = IPCWeightTransferUpdateInfo
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        super().__init__(device)
+        self.allow_pickled_handles: bool | None = None  # None until init_transfer_engine
+
+    def init_transfer_engine(self, init_info: IPCWeightTransferInitInfo | dict) -> None:
+        """Record the opt-in.
+
+        Raises:
+            ValueError: ``allow_pickled_handles`` is not True (the backend cannot work without handles).
+        """
+        info = self.parse_init_info(init_info)
+        if info.allow_pickled_handles is not True:
+            raise ValueError(
+                "the ipc weight transfer backend unpickles and maps handles sent by the trainer, which "
+                "can run code: set allow_pickled_handles=True in the init info, and only for a trusted "
+                "trainer on this machine"
+            )
+        self.allow_pickled_handles = True
+
+    def receive_weights(self, update_info: IPCWeightTransferUpdateInfo | dict, load_weights: LoadWeights) -> None:
+        """Map each tensor of the chunk and call ``load_weights([(name, tensor)])`` for it, one at a time.
+
+        Raises:
+            RuntimeError: init_transfer_engine was not called.
+            ValueError: a handle that is malformed, for another GPU, or of another dtype/shape than the update
+                info says; names the tensor.
+            whatever ``load_weights`` raised.
+        """
+        if self.allow_pickled_handles is not True:
+            raise RuntimeError("ipc weight transfer is not initialized: call init_transfer_engine() first")
+        info = self.parse_update_info(update_info)
+        handles = info.ipc_handles
+        if handles is None:
+            handles = pickle.loads(base64.b64decode(info.ipc_handles_pickled))  # opted in above
+            if not isinstance(handles, list) or len(handles) != len(info.names):
+                raise ValueError(
+                    f"update info: ipc_handles_pickled holds {type(handles).__name__} of "
+                    f"{len(handles) if isinstance(handles, list) else '?'} entries, names has "
+                    f"{len(info.names)}"
+                )
+        segments: dict[str, torch.Tensor] = {}
+        try:
+            for i, name in enumerate(info.names):
+                tensor = self._open(handles[i], i, info, segments)
+                load_weights([(name, tensor)])
+                del tensor
+        finally:
+            segments.clear()  # unmaps each segment once load_weights dropped its views
+
+    def _open(
+        self, handle: Any, i: int, info: IPCWeightTransferUpdateInfo, segments: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        name, dtype, shape, nbytes = info.names[i], info.dtypes[i], info.shapes[i], info.nbytes(i)
+        if not isinstance(handle, dict):
+            raise ValueError(f"ipc handle of tensor {name!r} must be a dict, got {type(handle).__name__}")
+        if "shm_name" in handle:
+            offset = handle.get("offset")
+            segment = segments.get(handle["shm_name"])
+            if segment is None:
+                segment = segments[handle["shm_name"]] = _map_segment(handle["shm_name"], name)
+            if (
+                not isinstance(offset, int)
+                or offset < 0
+                or offset + nbytes > segment.numel()
+                or offset % dtype.itemsize
+            ):
+                raise ValueError(
+                    f"ipc handle of tensor {name!r}: offset {offset!r} + {nbytes} bytes does not fit "
+                    f"segment {handle['shm_name']!r} of {segment.numel()} bytes (aligned to "
+                    f"{dtype.itemsize})"
+                )
+            return segment[offset : offset + nbytes].view(dtype).view(shape)
+        if "cuda" in handle:
+            func, args = handle["cuda"]
+            if func is not rebuild_cuda_tensor:
+                raise ValueError(
+                    f"ipc handle of tensor {name!r}: refusing to call {func!r} (expected "
+                    f"torch.multiprocessing.reductions.rebuild_cuda_tensor)"
+                )
+            device = self.device if self.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+            if handle.get("gpu_uuid") != _gpu_uuid(device):
+                raise ValueError(
+                    f"ipc handle of tensor {name!r} is for GPU {handle.get('gpu_uuid')}, this engine "
+                    f"runs on {device} ({_gpu_uuid(device)})"
+                )
+            args = list(args)
+            args[6] = device.index if device.index is not None else torch.cuda.current_device()  # storage device
+            tensor = func(*args)
+            if tensor.dtype != dtype or list(tensor.shape) != list(shape):
+                raise ValueError(
+                    f"ipc handle of tensor {name!r} maps {tensor.dtype}{tuple(tensor.shape)}, the update "
+                    f"info says {dtype}{tuple(shape)}"
+                )
+            return tensor
+        raise ValueError(f"ipc handle of tensor {name!r} has neither 'shm_name' nor 'cuda': {sorted(handle)}")
+
+    def shutdown(self) -> None:
+        """Nothing is held between updates."""
+        self.allow_pickled_handles = None
+
+    @staticmethod
+    def trainer_send_weights(
+        iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: IPCTrainerSendWeightsArgs | dict
+    ) -> None:
+        """Trainer side: share every (name, tensor) of ``iterator`` with the engine, chunk by chunk.
+
+        CUDA tensors are shared in place (``reduce_tensor``, no copy; the trainer must not modify them until
+        this returns). CPU tensors are copied into a shared-memory segment of up to ``buffer_size_bytes``
+        (a larger tensor gets a segment of its own size), reused by the next chunk once ``send_update``
+        returned, and unlinked at the end. Each chunk is one ``send_update(update_info_dict)`` call whose
+        dict carries ``ipc_handles_pickled``.
+
+        Raises:
+            whatever ``send_update`` raised (the engine's error); the segment is unlinked all the same.
+        """
+        args = IPCTrainerSendWeightsArgs(**trainer_args) if isinstance(trainer_args, dict) else trainer_args
+        layout = BucketLayout(args.buffer_size_bytes)
+        pending: dict[int, tuple[str, torch.Tensor]] = {}
+        segment: list[shared_memory.SharedMemory | None] = [None]
+
+        def send(bucket: Bucket) -> None:
+            cpu = [(i, off, n) for i, off, n in bucket.entries if pending[i][1].device.type == "cpu"]
+            if cpu:
+                size = max(off + n for _, off, n in cpu)
+                if segment[0] is None or segment[0].size < size:
+                    _unlink(segment[0])
+                    segment[0] = None
+                    segment[0] = shared_memory.SharedMemory(create=True, size=max(size, 1))
+                base = torch.frombuffer(segment[0].buf, dtype=torch.uint8, count=size)
+                for i, off, n in cpu:
+                    base[off : off + n].copy_(flat_bytes(pending[i][1]))
+                del base  # no export of the segment's buffer may outlive this copy
+            names, dtypes, shapes, handles = [], [], [], []
+            for i, off, _ in bucket.entries:
+                name, tensor = pending.pop(i)
+                names.append(name)
+                dtypes.append(dtype_name(tensor.dtype))
+                shapes.append(list(tensor.shape))
+                if tensor.device.type == "cpu":
+                    handles.append({"shm_name": segment[0].name, "offset": off})
+                else:
+                    handles.append({"gpu_uuid": _gpu_uuid(tensor.device), "cuda": reduce_tensor(tensor)})
+            args.send_update(
+                {
+                    "names": names,
+                    "dtype_names": dtypes,
+                    "shapes": shapes,
+                    "is_checkpoint_format": args.is_checkpoint_format,
+                    "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
+                }
+            )
+
+        try:
+            for index, (name, tensor) in enumerate(iterator):
+                tensor = tensor.detach()
+                if tensor.device.type == "cuda":
+                    tensor = tensor.contiguous()
+                closed = layout.place(index, tensor.numel() * tensor.element_size())
+                if closed is not None:
+                    send(closed)
+                pending[index] = (name, tensor)
+            last = layout.close()
+            if last is not None:
+                send(last)
+        finally:
+            _unlink(segment[0])
+
+
+def _unlink(segment: shared_memory.SharedMemory | None) -> None:
+    if segment is None:
+        return
+    try:
+        segment.close()
+    finally:
+        segment.unlink()
