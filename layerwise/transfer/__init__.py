@@ -23,8 +23,9 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    aborted (atomic: nothing changed; otherwise ``updated_modules`` lists what was). The group is unusable
    after that: shutdown() and init again. After a *bad tensor* instead, the engine keeps receiving (and
    dropping) the rest of the update, so the trainer completes its send and the group stays usable.
-4. Tied embeddings: ``lm_head.weight`` and ``model.embed_tokens.weight`` name one weight; whichever arrives
-   first in an update is loaded and the other is skipped (their values are not compared).
+4. Tied embeddings: ``lm_head.weight`` and ``model.embed_tokens.weight`` name one tensor, which stays one
+   tensor. In checkpoint format whichever name arrives first in an update is loaded and the other is
+   skipped (their values are not compared); in kernel format both names write that tensor, the last wins.
 5. The ipc backend unpickles and maps handles sent by the trainer: it works only with
    ``allow_pickled_handles=True`` and must never receive handles from an untrusted process. CPU shared
    memory is /dev/shm (Linux).

@@ -47,9 +47,11 @@ _SHM_DIR = "/dev/shm"
 
 @dataclass
 class IPCWeightTransferInitInfo(WeightTransferInitInfo):
-    """Attributes:
-    allow_pickled_handles: opt in to unpickling and mapping the trainer's handles. Set it only when the
-        trainer, and everything the update info passes through, is trusted (see the module docstring).
+    """Init info of the ipc backend.
+
+    Attributes:
+        allow_pickled_handles: opt in to unpickling and mapping the trainer's handles. Set it only when the
+            trainer, and everything the update info passes through, is trusted (see the module docstring).
     """
 
     allow_pickled_handles: bool = False
