@@ -206,8 +206,15 @@ def _reload(args) -> int:
     return 0 if tokens_after == tokens_b and kept == len(addresses) else EXIT_FAILED
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors in two lines (the error, then where to read the usage), exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n{self.prog}: see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerwise", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="layerwise", description=__doc__.split("\n\n")[0])
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     schemes = " | ".join(scheme_names())

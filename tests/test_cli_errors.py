@@ -22,6 +22,10 @@ def _run(*args, env_extra=None, cwd=None):
         [sys.executable, "-m", "layerwise.cli", *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd
     )
     assert "Traceback" not in proc.stderr, proc.stderr
+    if proc.returncode != 0:  # one or two lines, besides the progress bar and the compile notice
+        lines = [line for line in proc.stderr.replace("\r", "\n").splitlines()
+                 if line.strip() and not line.startswith(("loading", "layerwise: compiling"))]
+        assert 1 <= len(lines) <= 2, proc.stderr
     return proc
 
 
