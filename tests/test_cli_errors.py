@@ -23,8 +23,11 @@ def _run(*args, env_extra=None, cwd=None):
     )
     assert "Traceback" not in proc.stderr, proc.stderr
     if proc.returncode != 0:  # one or two lines, besides the progress bar and the compile notice
-        lines = [line for line in proc.stderr.replace("\r", "\n").splitlines()
-                 if line.strip() and not line.startswith(("loading", "layerwise: compiling"))]
+        lines = [
+            line
+            for line in proc.stderr.replace("\r", "\n").splitlines()
+            if line.strip() and not line.startswith(("loading", "layerwise: compiling"))
+        ]
         assert 1 <= len(lines) <= 2, proc.stderr
     return proc
 
