@@ -241,13 +241,6 @@ def _open_weights(model: nn.Module, weights: Weights):
     return weights, None
 
 
-def _reload_error(e: LayerwiseError, updated: list) -> ReloadError:
-    note = f"modules already updated: {updated}" if updated else "no module was changed"
-    err = ReloadError(f"reload failed: {e.message}; {note}", updated_modules=updated, key=e.key, file=e.file)
-    err.cause = e
-    return err
-
-
 def reload_weights(
     model: nn.Module, weights: Weights, *, is_checkpoint_format: bool = True, atomic: bool = False
 ) -> ReloadReport:
@@ -279,13 +272,13 @@ def reload_weights(
     try:
         stream, file_of = _open_weights(model, weights)
     except LayerwiseError as e:
-        raise _reload_error(e, []) from e
+        raise ReloadError.wrap(e, []) from e
     if not is_checkpoint_format:
         updated: list = []
         try:
             copy_kernel_tensors(model, stream, atomic, updated)
         except LayerwiseError as e:
-            raise _reload_error(e, [] if atomic else updated) from e
+            raise ReloadError.wrap(e, [] if atomic else updated) from e
         return ReloadReport(updated, time.perf_counter() - start, 0)
     session = None
     try:
@@ -294,7 +287,7 @@ def reload_weights(
     except ReloadError:
         raise  # finalize already restored the model and listed the updated modules
     except LayerwiseError as e:
-        raise _reload_error(e, session.updated_before_abort if session else []) from e
+        raise ReloadError.wrap(e, session.updated_before_abort if session else []) from e
     return ReloadReport(list(session.processed), time.perf_counter() - start, session.peak_buffered_bytes)
 
 

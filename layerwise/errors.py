@@ -70,6 +70,32 @@ class ReloadError(LayerwiseError):
         self.updated_modules = list(updated_modules)
         self.cause: LayerwiseError | None = None
 
+    @classmethod
+    def wrap(cls, cause: LayerwiseError, updated_modules: list, action: str = "reload") -> ReloadError:
+        """A ReloadError for ``cause`` after the session was aborted, naming what was already updated;
+        raise it ``from cause``."""
+        note = f"modules already updated: {updated_modules}" if updated_modules else "no module was changed"
+        err = cls(f"{action} failed: {cause.message}; {note}", updated_modules=updated_modules, key=cause.key,
+                  file=cause.file)
+        err.cause = cause
+        return err
+
+
+class WeightTransferError(ReloadError):
+    """A weight update failed in transport (not because of a tensor's content).
+
+    Like every ReloadError, ``updated_modules`` lists what the failed update already overwrote (filled
+    in by ``layerwise.transfer.update`` after it aborted the update; empty when atomic).
+    """
+
+
+class WeightTransferTimeoutError(WeightTransferError, TimeoutError):
+    """No data from the peer within the configured timeout, or its connection closed (it died).
+
+    ``key`` names the tensor that was being waited for. After this error the transfer engine's group is
+    unusable: call ``shutdown()`` and ``init_transfer_engine`` again (with the trainer) before the next update.
+    """
+
 
 class MissingDependencyError(LayerwiseError, ImportError):
     """An optional dependency is not installed; the message gives the exact ``pip install`` line

@@ -24,28 +24,12 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from layerwise.errors import ReloadError
+from layerwise.errors import WeightTransferError, WeightTransferTimeoutError  # noqa: F401 (re-exported)
 
 TInitInfo = TypeVar("TInitInfo", bound="WeightTransferInitInfo")
 TUpdateInfo = TypeVar("TUpdateInfo", bound="WeightTransferUpdateInfo")
 
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
-
-
-class WeightTransferError(ReloadError):
-    """A weight update failed in transport (not because of a tensor's content).
-
-    Like every ReloadError, ``updated_modules`` lists what the failed update already overwrote (filled
-    in by ``layerwise.transfer.update`` after it aborted the update; empty when atomic).
-    """
-
-
-class WeightTransferTimeoutError(WeightTransferError, TimeoutError):
-    """No data from the peer within the configured timeout, or its connection closed (it died).
-
-    ``key`` names the tensor that was being waited for. After this error the transfer engine's group is
-    unusable: call ``shutdown()`` and ``init_transfer_engine`` again (with the trainer) before the next update.
-    """
 
 
 @dataclass

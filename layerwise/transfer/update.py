@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerwise.api import ReloadReport, _reload_error
+from layerwise.api import ReloadReport
 from layerwise.errors import (
     DuplicateWeightError,
     LayerwiseError,
@@ -265,7 +265,7 @@ class WeightUpdate:
         if isinstance(e, ReloadError):
             return
         if isinstance(e, LayerwiseError):
-            raise _reload_error(e, updated) from e
+            raise ReloadError.wrap(e, updated, action="weight update") from e
 
     def _check_open(self) -> None:
         if self.closed:
