@@ -75,8 +75,9 @@ class ReloadError(LayerwiseError):
         """A ReloadError for ``cause`` after the session was aborted, naming what was already updated;
         raise it ``from cause``."""
         note = f"modules already updated: {updated_modules}" if updated_modules else "no module was changed"
-        err = cls(f"{action} failed: {cause.message}; {note}", updated_modules=updated_modules, key=cause.key,
-                  file=cause.file)
+        err = cls(
+            f"{action} failed: {cause.message}; {note}", updated_modules=updated_modules, key=cause.key, file=cause.file
+        )
         err.cause = cause
         return err
 
