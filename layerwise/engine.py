@@ -4,11 +4,18 @@ The decode step has static shapes (max_batch_size x 1 tokens against a max_seq_l
 CUDA it is captured once with ``torch.cuda.CUDAGraph`` and replayed. Reloading weights writes into
 the very tensors the graph reads (see :func:`layerwise.reload_weights`), so the graph is never
 recaptured. On CPU the same step runs eagerly.
+
+Weights change only between forward steps: every prefill and decode step holds the engine's
+``weight_update_lock()``, and so do ``reload_weights`` and the weight-sync calls (``update_weights``,
+or ``start_weight_update`` ... ``finish_weight_update``), so an update requested while the engine is
+generating waits for the current step and no forward ever sees a half-written module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -58,6 +65,9 @@ class Engine:
         self._logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
+        self._weights_lock = threading.Lock()  # held by each forward step and by each weight update
+        self._held_update_lock = False  # start_weight_update ... finish/abort hold it across calls
+        self.transfer_engine = None  # set by init_weight_transfer_engine
 
     @classmethod
     def from_pretrained(cls, path, max_batch_size: int = 8, max_seq_len: int = 256, **load_kwargs) -> Engine:
@@ -135,19 +145,119 @@ class Engine:
             ids = torch.tensor([prompt], device=self.device)
             pos = torch.arange(len(prompt), device=self.device)[None]
             caches = [(k[i : i + 1], v[i : i + 1]) for k, v in self.kv_caches]
-            tokens[i, 0] = self.model(ids, pos, caches)[0, -1].argmax()
+            with self._weights_lock:
+                tokens[i, 0] = self.model(ids, pos, caches)[0, -1].argmax()
             positions[i, 0] = len(prompt)
         out = [tokens[:, 0].clone()]
         for _ in range(max_new_tokens - 1):  # rows past len(prompts) decode padding and are ignored
-            tokens = self._decode(tokens, positions).argmax(-1, keepdim=True)
+            with self._weights_lock:
+                tokens = self._decode(tokens, positions).argmax(-1, keepdim=True)
             positions = positions + 1
             out.append(tokens[:, 0].clone())
         generated = torch.stack(out, dim=1).tolist()
         return [generated[i] for i in range(len(prompts))]
 
+    @contextlib.contextmanager
+    def weight_update_lock(self):
+        """Hold off forward steps while weights change (waits for the step in flight to end).
+
+        On CUDA the step's kernels may still run when the lock is released; the update's copies are
+        issued on the same stream after them, so they never overlap.
+        """
+        with self._weights_lock:
+            yield
+
     def reload_weights(self, weights: Weights, **kwargs) -> ReloadReport:
-        """:func:`layerwise.reload_weights` on the engine's model; the captured graph stays valid."""
-        return reload_weights(self.model, weights, **kwargs)
+        """:func:`layerwise.reload_weights` on the engine's model, between forward steps; the captured
+        graph stays valid."""
+        with self.weight_update_lock():
+            return reload_weights(self.model, weights, **kwargs)
+
+    # ---- weight sync from a trainer (layerwise.transfer), named as vLLM's engine methods ----
+
+    def init_weight_transfer_engine(self, backend: str, init_info) -> None:
+        """Create and connect a weight-transfer backend ("nccl" or "ipc", or a registered one).
+
+        Args:
+            backend: a name registered with ``WeightTransferEngineFactory``.
+            init_info: the backend's init info: a dict, a ``WeightTransferInitRequest`` or the typed
+                dataclass (e.g. nccl: master_address, master_port, rank_offset, world_size).
+        Raises:
+            ValueError: an unknown backend or init-info field (named).
+        """
+        from layerwise.transfer import WeightTransferEngineFactory, WeightTransferInitRequest
+
+        engine = WeightTransferEngineFactory.create_engine(backend, device=self.device)
+        if isinstance(init_info, WeightTransferInitRequest):
+            init_info = init_info.init_info
+        if isinstance(init_info, dict):
+            init_info = engine.parse_init_info(init_info)
+        engine.init_transfer_engine(init_info)
+        self.transfer_engine = engine
+
+    def update_weights(self, request, *, atomic: bool = False) -> ReloadReport:
+        """Receive one update from the trainer through the engine's transfer backend, between forward
+        steps (see :func:`layerwise.transfer.update_weights` for the request and the errors).
+
+        Raises:
+            RuntimeError: no transfer backend (call init_weight_transfer_engine first).
+        """
+        from layerwise.transfer import update_weights
+
+        if self.transfer_engine is None:
+            raise RuntimeError("no weight-transfer backend: call engine.init_weight_transfer_engine(...) first")
+        return update_weights(self, self.transfer_engine, request, atomic=atomic)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True, *, atomic: bool = False):
+        """Open an update (vLLM's start_weight_update); forward steps wait until it is finished or
+        aborted. Returns the open ``layerwise.transfer.WeightUpdate``."""
+        from layerwise.transfer import start_weight_update
+
+        self._weights_lock.acquire()
+        try:
+            update = start_weight_update(self.model, is_checkpoint_format, atomic=atomic)
+        except BaseException:
+            self._weights_lock.release()
+            raise
+        self._held_update_lock = True
+        return update
+
+    def receive_weights(self, update_info, transfer_engine=None) -> None:
+        """Receive one update (or one chunk) into the open update, from ``transfer_engine`` or the
+        engine's own backend."""
+        from layerwise.transfer import receive_weight_update
+
+        receive_weight_update(self.model, transfer_engine or self.transfer_engine, update_info)
+
+    def finish_weight_update(self) -> ReloadReport:
+        """Finish the open update (atomic: commit it) and let forward steps run again."""
+        from layerwise.transfer import finish_weight_update
+
+        try:
+            return finish_weight_update(self.model)
+        finally:
+            self._release_update_lock()
+
+    def abort_weight_update(self) -> list[str]:
+        """Abort the open update and let forward steps run again; returns the modules it had already
+        overwritten (see ``layerwise.transfer.abort_weight_update``)."""
+        from layerwise.transfer import abort_weight_update
+
+        try:
+            return abort_weight_update(self.model)
+        finally:
+            self._release_update_lock()
+
+    def shutdown_weight_transfer(self) -> None:
+        """Close the transfer backend's connection (its process group or shared memory)."""
+        if self.transfer_engine is not None:
+            self.transfer_engine.shutdown()
+            self.transfer_engine = None
+
+    def _release_update_lock(self) -> None:
+        if self._held_update_lock:
+            self._held_update_lock = False
+            self._weights_lock.release()
 
 
 def _prompt_lists(prompts) -> list[list[int]]:

@@ -40,3 +40,83 @@ def test_lists_and_a_long_tensor_give_the_same_tokens(engine):
 def test_bad_prompts_are_clear_errors(engine, prompts, error):
     with pytest.raises(error):
         engine.generate(prompts, 5)
+
+
+def test_an_update_while_generating_waits_for_the_current_step(tmp_path, monkeypatch):
+    """A generating thread and reloads in the main thread: no forward step ever runs while weights are
+    being written, and after the last reload the engine generates what a fresh engine on B does."""
+    import threading
+    import time
+
+    import layerwise.engine
+
+    a = write_checkpoint(tmp_path / "a", TINY, seed=0)
+    b = write_checkpoint(tmp_path / "b", TINY, seed=1)
+    engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=24)
+    writing, overlaps, steps = threading.Event(), [], []
+    real_reload = layerwise.engine.reload_weights
+
+    def reload_and_flag(*args, **kwargs):
+        writing.set()
+        try:
+            return real_reload(*args, **kwargs)
+        finally:
+            writing.clear()
+
+    monkeypatch.setattr(layerwise.engine, "reload_weights", reload_and_flag)
+
+    def check(module, inputs):
+        steps.append(1)
+        if writing.is_set():
+            overlaps.append(len(steps))
+
+    hook = engine.model.register_forward_pre_hook(check)
+    stop = threading.Event()
+    errors = []
+
+    def generate_forever():
+        try:
+            while not stop.is_set():
+                engine.generate([[1, 2, 3], [4, 5]], 12)
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=generate_forever, daemon=True)
+    thread.start()
+    try:
+        for path in (b, a, b, a, b):
+            deadline = time.monotonic() + 30
+            while len(steps) < 5 and time.monotonic() < deadline:  # let the generator run between updates
+                time.sleep(0.001)
+            steps.clear()
+            engine.reload_weights(path)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        hook.remove()
+    assert not thread.is_alive() and not errors
+    assert overlaps == []
+    fresh = Engine.from_pretrained(b, max_batch_size=2, max_seq_len=24)
+    assert engine.generate([[1, 2, 3]], 6) == fresh.generate([[1, 2, 3]], 6)
+
+
+def test_start_weight_update_holds_generation_until_finish(tmp_path):
+    import threading
+
+    a = write_checkpoint(tmp_path / "a", TINY, seed=0)
+    b = write_checkpoint(tmp_path / "b", TINY, seed=1)
+    engine = Engine.from_pretrained(a, max_batch_size=1, max_seq_len=24)
+    update = engine.start_weight_update(is_checkpoint_format=True)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(engine.generate([[1, 2, 3]], 4)), daemon=True)
+    thread.start()
+    thread.join(timeout=0.5)
+    assert thread.is_alive() and not result  # waiting for the update
+    from layerwise.checkpoint import Checkpoint
+
+    update.load_weights(list(Checkpoint(b)))
+    report = engine.finish_weight_update()
+    thread.join(timeout=60)
+    assert result and "model.layers.1.mlp.gate_up_proj" in report.updated_modules
+    fresh = Engine.from_pretrained(b, max_batch_size=1, max_seq_len=24)
+    assert result[0] == fresh.generate([[1, 2, 3]], 4)
