@@ -16,6 +16,34 @@ from layerwise.errors import NonFiniteWeightError, UnexpectedWeightError, Weight
 from layerwise.kernels import has_non_finite
 
 
+def kernel_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name, tied duplicates included (``lm_head.weight``)."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    return targets
+
+
+def check_kernel_tensor(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The kernel tensor ``name`` that ``tensor`` may be copied into, after checking it.
+
+    Raises:
+        UnexpectedWeightError: no parameter or buffer of that name.
+        WeightShapeError: a dtype or shape other than the kernel tensor's.
+        NonFiniteWeightError: NaN or Inf (an FP8 NaN byte included).
+    """
+    target = targets.get(name)
+    if target is None:
+        raise UnexpectedWeightError("no parameter or buffer of this name in the model", key=name)
+    if tensor.shape != target.shape or tensor.dtype != target.dtype:
+        raise WeightShapeError(
+            f"kernel tensor is {target.dtype}{tuple(target.shape)}, got {tensor.dtype}{tuple(tensor.shape)}",
+            key=name,
+        )
+    if has_non_finite(tensor):
+        raise NonFiniteWeightError("non-finite value (NaN or Inf)", key=name)
+    return target
+
+
 def copy_kernel_tensors(
     model: nn.Module, stream: Iterable[tuple[str, torch.Tensor]], atomic: bool, updated: list
 ) -> None:
@@ -32,22 +60,12 @@ def copy_kernel_tensors(
             catches an error knows what changed).
     Raises:
         UnexpectedWeightError / WeightShapeError / NonFiniteWeightError, with ``key`` set, before the
-        offending tensor (and, atomic, any tensor) is written.
+        offending tensor (and, atomic, any tensor) is written (see :func:`check_kernel_tensor`).
     """
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    targets = kernel_targets(model)
     staged = []
     for name, tensor in stream:
-        target = targets.get(name)
-        if target is None:
-            raise UnexpectedWeightError("no parameter or buffer of this name in the model", key=name)
-        if tensor.shape != target.shape or tensor.dtype != target.dtype:
-            raise WeightShapeError(
-                f"kernel tensor is {target.dtype}{tuple(target.shape)}, got {tensor.dtype}{tuple(tensor.shape)}",
-                key=name,
-            )
-        if has_non_finite(tensor):
-            raise NonFiniteWeightError("non-finite value (NaN or Inf)", key=name)
+        target = check_kernel_tensor(targets, name, tensor)
         if atomic:
             staged.append((name, target, tensor.to(target.device, copy=True)))
             continue

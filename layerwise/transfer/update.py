@@ -34,12 +34,10 @@ from layerwise.api import ReloadReport
 from layerwise.errors import (
     DuplicateWeightError,
     LayerwiseError,
-    NonFiniteWeightError,
     ReloadError,
-    UnexpectedWeightError,
     WeightShapeError,
 )
-from layerwise.kernels import has_non_finite
+from layerwise.reload.kernel_format import check_kernel_tensor, kernel_targets
 from layerwise.reload.session import (
     abort_layerwise_reload,
     finalize_layerwise_reload,
@@ -93,8 +91,7 @@ class WeightUpdate:
         if is_checkpoint_format:
             self.session = initialize_layerwise_reload(model, atomic=atomic)
         else:
-            self._targets = dict(model.named_parameters(remove_duplicate=False))
-            self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
+            self._targets = kernel_targets(model)
 
     # -- receiving -------------------------------------------------------------------------------
     def receive(self, transfer_engine: WeightTransferEngine, update_info: Any) -> None:
@@ -186,16 +183,7 @@ class WeightUpdate:
                     buffered.loaded_weight = w.clone()
 
     def _load_kernel_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        target = self._targets.get(name)
-        if target is None:
-            raise UnexpectedWeightError("no parameter or buffer of this name in the model", key=name)
-        if tensor.shape != target.shape or tensor.dtype != target.dtype:
-            raise WeightShapeError(
-                f"kernel tensor is {target.dtype}{tuple(target.shape)}, got {tensor.dtype}{tuple(tensor.shape)}",
-                key=name,
-            )
-        if has_non_finite(tensor):
-            raise NonFiniteWeightError("non-finite value (NaN or Inf)", key=name)
+        target = check_kernel_tensor(self._targets, name, tensor)
         if name in self._staged or name in self.updated:
             raise DuplicateWeightError("tensor sent twice in one update", key=name)
         if self.atomic:
