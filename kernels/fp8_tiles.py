@@ -28,6 +28,7 @@ from layerwise.kernels.triton_common import (
     max_all,
     tile,
     tile_index,
+    tile_rows_cols,
     tl,
     triton,
 )
@@ -86,10 +87,7 @@ def _quantize_kernel(
     TILE_N: tl.constexpr,
     TILE_K: tl.constexpr,
 ):
-    row_tile, col_tile = tile_index(n_cols, TILE_K)
-    rows = (row_tile * TILE_N + tl.arange(0, TILE_N))[:, None]
-    cols = (col_tile * TILE_K + tl.arange(0, TILE_K))[None, :]
-    mask = (rows < n_rows) & (cols < n_cols)
+    rows, cols, mask = tile_rows_cols(n_rows, n_cols, TILE_N, TILE_K)
     x = load_f32(x_ptr + rows * n_cols + cols, mask, IS_BF16)
     scale = load_scale(scale_ptr, rows, cols, mask, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
     y = tl.minimum(tl.maximum(tl.fdiv(x, scale, ieee_rounding=True), -448.0), 448.0)
@@ -110,10 +108,7 @@ def _dequantize_kernel(
     TILE_N: tl.constexpr,
     TILE_K: tl.constexpr,
 ):
-    row_tile, col_tile = tile_index(n_cols, TILE_K)
-    rows = (row_tile * TILE_N + tl.arange(0, TILE_N))[:, None]
-    cols = (col_tile * TILE_K + tl.arange(0, TILE_K))[None, :]
-    mask = (rows < n_rows) & (cols < n_cols)
+    rows, cols, mask = tile_rows_cols(n_rows, n_cols, TILE_N, TILE_K)
     q = e4m3_value(tl.load(q_ptr + rows * n_cols + cols, mask=mask, other=0).to(tl.int32))
     y = q * load_scale(scale_ptr, rows, cols, mask, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
     if OUT_BF16:  # out_ptr holds int16 bits: round half to even by hand (the interpreter truncates)

@@ -78,6 +78,16 @@ def tile_index(n_cols, TILE_K: tl.constexpr):
 
 
 @helper
+def tile_rows_cols(n_rows, n_cols, TILE_N: tl.constexpr, TILE_K: tl.constexpr):
+    """(rows int64 [TILE_N, 1], cols int64 [1, TILE_K], in-bounds mask [TILE_N, TILE_K]) of this
+    program's tile of an [n_rows, n_cols] matrix (see :func:`tile_index`)."""
+    row_tile, col_tile = tile_index(n_cols, TILE_K)
+    rows = (row_tile * TILE_N + tl.arange(0, TILE_N))[:, None]
+    cols = (col_tile * TILE_K + tl.arange(0, TILE_K))[None, :]
+    return rows, cols, (rows < n_rows) & (cols < n_cols)
+
+
+@helper
 def load_f32(ptr, mask, IS_BF16: tl.constexpr):
     """Load as float32; ``ptr`` points at int16 bits when IS_BF16 (widened exactly by a shift)."""
     if IS_BF16:
