@@ -1,5 +1,5 @@
 """Command line: ``layerwise load PATH``, ``layerwise demo``, ``layerwise reload [PATH_A PATH_B]``,
-``layerwise bench``.
+``layerwise sync-demo [PATH]``, ``layerwise bench``.
 
 Expected errors (a bad path or option, a bad checkpoint, a missing optional package, no GPU) print
 one or two lines on stderr naming the file, tensor key or option and what to do, and exit with 2
@@ -206,6 +206,22 @@ def _reload(args) -> int:
     return 0 if tokens_after == tokens_b and kept == len(addresses) else EXIT_FAILED
 
 
+def _sync_demo(args) -> int:
+    from layerwise.sync_demo import FAULT_ENV, format_sync_demo, run_sync_demo, sync_demo_ok
+
+    if args.tokens < 1:
+        raise UsageError(f"--tokens {args.tokens}: give at least 1")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds")
+    path = _checkpoint_dir(args.path, "PATH") if args.path else None
+    print("trainer (transformers, BF16 sent) -> FP8 engine, backend nccl (gloo on CPU), 127.0.0.1", flush=True)
+    result = run_sync_demo(
+        args.cache_dir, args.tokens, args.timeout, checkpoint=path, fault=os.environ.get(FAULT_ENV) or None
+    )
+    print(format_sync_demo(result))
+    return 0 if sync_demo_ok(result) else EXIT_FAILED
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with usage errors in two lines (the error, then where to read the usage), exit 2."""
 
@@ -255,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--cache-dir", default=None)
     reload.add_argument("--tokens", type=int, default=8)
     reload.set_defaults(func=_reload)
+    sync = sub.add_parser(
+        "sync-demo",
+        help="a trainer process takes one optimizer step and sends its weights into a live FP8 engine",
+    )
+    sync.add_argument("path", nargs="?", default=None, help="default: the demo checkpoint")
+    sync.add_argument("--cache-dir", default=None)
+    sync.add_argument("--tokens", type=int, default=8)
+    sync.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="bound on every wait (default 60)")
+    sync.set_defaults(func=_sync_demo)
     sub.add_parser("bench", help="peak-memory and load-time benchmark (layerwise bench --help)", add_help=False)
     return parser
 
