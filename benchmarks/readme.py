@@ -31,6 +31,7 @@ FILES = {
     "peak_memory": "peak_memory_cpu_default",
     "reload_latency": "reload_latency_cpu_default",
     "quant_kernels": "quant_kernels_cpu",
+    "weight_transfer": "weight_transfer_cpu_default",
 }
 DEMO_FILE = "demo_load_cpu"
 DEMO_BEGIN = re.compile(r"<!-- demo:begin.*?-->\n", re.DOTALL)
@@ -64,6 +65,15 @@ def reload_latency_table(result: dict) -> str:
     """Markdown table of a reload_latency result: seconds per case and their ratio to the floor."""
     lines = ["| case | seconds | / floor |", "|---|---:|---:|"]
     lines += [f"| {r['case']} | {r['seconds']:.3f} | {r.get('over_floor', 1.0):.2f} |" for r in result["results"]]
+    return "\n".join(lines)
+
+
+def weight_transfer_table(result: dict) -> str:
+    """Markdown table of a weight_transfer result: seconds per case, / its floor, receiver peak extra MiB."""
+    lines = ["| case | seconds | / floor | receiver peak extra MiB |", "|---|---:|---:|---:|"]
+    for r in result["results"]:
+        extra = f"{r['peak_extra_bytes'] / MIB:,.1f}" if "peak_extra_bytes" in r else ""
+        lines.append(f"| {r['case']} | {r['seconds']:.3f} | {r.get('over_floor', 1.0):.2f} | {extra} |")
     return "\n".join(lines)
 
 
@@ -175,6 +185,64 @@ floor = `copy_` of the same tensors into preallocated BF16 tensors. Best of {rl[
 {reload_latency_table(rl)}"""
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def _weight_transfer(wt: dict, pm: dict) -> str:
+    rows = {r["case"]: r for r in wt["results"]}
+    if (wt["config"], wt["checkpoint_bytes"]) == (pm["config"], pm["checkpoint_bytes"]):
+        what = "The same checkpoint"
+    else:
+        what = f"A {wt['checkpoint_bytes'] / MIB:,.0f} MiB BF16 checkpoint ({wt['size']} size)"
+    same = {k: v for k, v in wt["machine"].items() if k != "torch_threads"} == {
+        k: v for k, v in pm["machine"].items() if k != "torch_threads"
+    }
+    where = "" if same else f" Run on {_machine(wt['machine'], wt['device'])}."
+    transport = "gloo on 127.0.0.1" if wt["device"] == "cpu" else "NCCL"
+    threads = wt["torch_threads_per_process"]
+    bucket = f"{wt['packed_buffer_size_bytes'] / MIB:g} MiB"
+    threads_word = "thread" if threads == 1 else "threads"
+    text = f"""### Weight sync from a trainer
+
+{what}, held in BF16 by a trainer process, sent into a live FP8 engine in a second process over
+the "nccl" backend ({transport}) by `python -m layerwise.benchmarks.weight_transfer`. Floor =
+broadcasting the same bytes on the same group into preallocated buffers (each tensor alone for
+unpacked, the same {bucket} buckets for packed). Seconds run from the trainer's first send until
+`update_weights` returns; best of {wt["repeats"]} runs, {threads} torch {threads_word} per process.
+Each update case was checked bit for bit against a fresh `load_model` of the trainer's weights.{where}
+
+{weight_transfer_table(wt)}"""
+    packed, unpacked = rows.get("update: packed"), rows.get("update: unpacked")
+    notes = []
+    if packed is not None:
+        note = (
+            f"* Packed update: {packed['over_floor']:.2f}x its floor (target {wt['target_time_over_floor']}x): "
+            f"{_met(packed['meets_time_target'])}."
+        )
+        if not packed["meets_time_target"] and "wait_seconds" in packed and wt["device"] == "cpu":
+            cores = wt["machine"]["cpu_count"]
+            note += (
+                f" The engine waited {packed['wait_seconds']:.2f} s of its {packed['seconds']:.2f} s for\n"
+                f"  bytes; the rest is re-quantization, which shares the {cores} cores with the transfer's own copies."
+            )
+        notes.append(note)
+    if packed is not None and unpacked is not None:
+        both = packed["meets_memory_target"] and unpacked["meets_memory_target"]
+        verdict = (
+            _met(both)
+            if both or not (packed["meets_memory_target"] or unpacked["meets_memory_target"])
+            else (f"met for {'packed' if packed['meets_memory_target'] else 'unpacked'} only")
+        )
+        notes.append(
+            f"* Receiver peak extra memory: {packed['peak_extra_bytes'] / MIB:,.1f} MiB packed and "
+            f"{unpacked['peak_extra_bytes'] / MIB:,.1f} MiB unpacked, against 2 buckets + the largest layer\n"
+            f"  ({packed['memory_bound_bytes'] / MIB:,.1f} and {unpacked['memory_bound_bytes'] / MIB:,.1f} MiB; "
+            f"unpacked, a bucket is the largest tensor): {verdict}."
+        )
+    return "\n\n".join([text, "\n".join(notes)]) if notes else text
+
+
 def _quant_kernels(qk: dict, pm: dict) -> str:
     device = qk["device_name"] if qk["device"].startswith("cuda") else qk["device"].upper()
     kernels = "/".join(sorted({r["kernel"] for r in qk["results"]}))
@@ -208,6 +276,7 @@ def section(results: Path, readme: Path) -> str:
         _intro(pm),
         _peak_memory(pm, Path(image).as_posix()),
         _reload_latency(data["reload_latency"], pm),
+        _weight_transfer(data["weight_transfer"], pm),
         _quant_kernels(data["quant_kernels"], pm),
     ]
     return "\n\n".join(parts) + "\n"
