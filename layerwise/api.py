@@ -15,6 +15,7 @@ from torch import nn
 
 from layerwise.checkpoint import Checkpoint, group_name
 from layerwise.config import ModelConfig
+from layerwise.distributed import TPContext
 from layerwise.dtypes import parse_dtype
 from layerwise.errors import LayerwiseError, ReloadError, WeightShapeError
 from layerwise.kernels import resolve_kernel
@@ -39,6 +40,9 @@ class LoadReport:
         largest_layer_checkpoint_bytes: checkpoint bytes of the largest load group (one decoder
             layer, or one top-level module such as embed_tokens or lm_head).
         overhead_per_layer: (peak_bytes - model_bytes) / largest_layer_checkpoint_bytes.
+        bytes_read: checkpoint payload bytes this process read (under tensor parallelism: its slices of
+            the sharded tensors plus the whole replicated ones, about checkpoint_bytes / tp_size).
+        tp_rank / tp_size: this process's place in the tensor-parallel group (0 / 1 without one).
     """
 
     architecture: str
@@ -55,6 +59,9 @@ class LoadReport:
     memory_tracker: str
     peak_rss_anon_bytes: int = 0
     peak_buffered_bytes: int = 0
+    bytes_read: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
     timeline: list = field(default_factory=list, repr=False)
 
     @property
@@ -127,6 +134,8 @@ def load_model_with_report(
     fp8_mode: str = "auto",
     progress: bool = False,
     track_memory: bool = True,
+    tp_group=None,
+    global_scales: bool = False,
 ) -> tuple[nn.Module, LoadReport]:
     """Like :func:`load_model`, and also returns the :class:`LoadReport`.
 
@@ -136,23 +145,25 @@ def load_model_with_report(
             adds Python work to every tensor operation; with False, peak_bytes is reported as -1).
     """
     start = time.perf_counter()
+    tp = TPContext.of(tp_group)
     ckpt = Checkpoint(path)
     config = ModelConfig.from_dict(ckpt.config)
     arch, model_cls = get_model_class(config, os.path.join(ckpt.path, "config.json"))
     device = torch.device(device)
     params_dtype = parse_dtype(dtype) or config.dtype or torch.bfloat16
-    quant_config = QuantConfig(quantization, resolve_kernel(kernel, device), fp8_mode)
+    amax_reduce = (lambda a: tp.all_reduce(a, "max")) if global_scales and tp.size > 1 else None
+    quant_config = QuantConfig(quantization, resolve_kernel(kernel, device), fp8_mode, amax_reduce)
     groups = ckpt.group_bytes()
     bar = _Progress(groups, progress)
     tracker = DeviceMemoryTracker(device) if track_memory else contextlib.nullcontext()
     completed = False
     with tracker:
         with torch.device("meta"):
-            model = model_cls(config, quant_config, params_dtype, device)
+            model = model_cls(config, quant_config, params_dtype, device, tp=tp)  # checks the TP sizes
         record_metadata_for_reloading(model)
         try:
             with layerwise_session(model, device=device) as session:
-                stream_weights(model, ckpt, ckpt.file_of, bar.on_tensor)
+                stream_weights(model, ckpt.iter_lazy(), ckpt.file_of, bar.on_tensor)
             completed = True
         finally:
             bar.close(completed)
@@ -173,6 +184,9 @@ def load_model_with_report(
         memory_tracker=tracker.method if track_memory else "none",
         peak_rss_anon_bytes=tracker.peak_rss_anon_bytes if track_memory else 0,
         peak_buffered_bytes=session.peak_buffered_bytes,
+        bytes_read=ckpt.bytes_read,
+        tp_rank=tp.rank,
+        tp_size=tp.size,
         timeline=tracker.timeline if track_memory else [],
     )
     return model, report
@@ -185,6 +199,8 @@ def load_model(
     dtype=None,
     kernel: str | None = None,
     fp8_mode: str = "auto",
+    tp_group=None,
+    global_scales: bool = False,
 ) -> nn.Module:
     """Load a Hugging Face checkpoint layer by layer, quantizing decoder Linear weights on the fly.
 
@@ -204,20 +220,41 @@ def load_model(
             torch on CPU. "triton" on CPU runs Triton's interpreter (slow; for testing).
         fp8_mode: forward of FP8 layers: "auto" (W8A8 via torch._scaled_mm on CUDA sm89+, W8A16
             elsewhere), "w8a8" (also on CPU, slowly), or "w8a16" (dequantize, then matmul).
+        tp_group: a torch.distributed ProcessGroup to shard the model over (tensor parallelism, as vLLM:
+            see layerwise/layers/linear.py and embedding.py); every rank of the group calls load_model
+            with the same arguments, reads only its slices of the checkpoint and holds only its shard.
+            None: no tensor parallelism, whatever torch.distributed's default group is. Kept on the model
+            as ``model.tp_group``; forward, reload and weight sync use it.
+        global_scales: with tp_group and per-tensor FP8, reduce each weight's amax (max) over the group
+            so that every rank's FP8 shard equals the matching slice of the unsharded model byte for byte;
+            False (vLLM's behaviour): each rank's scale comes from its own shard.
     Returns:
-        the model in eval mode; ``model(input_ids [B, T]) -> logits [B, T, vocab]``.
+        the model in eval mode; ``model(input_ids [B, T]) -> logits [B, T, vocab]`` (every rank returns
+        the full logits; all ranks of the group must call forward together).
     Raises:
         CheckpointError: unusable directory (no config.json, missing or truncated shard, bad index).
         UnsupportedArchitectureError: config.json names no supported architecture.
         UnexpectedWeightError / WeightShapeError / NonFiniteWeightError / MissingWeightError /
         DuplicateWeightError: a bad tensor; the error names the tensor key and file.
         ValueError: an unknown scheme, dtype, kernel or fp8_mode.
+        TensorParallelError: the model's sizes (attention heads, kv heads, intermediate size, FP8 blocks)
+            do not split over tp_group; raised before any weight is read.
         MissingDependencyError: a torchao scheme without torchao.
     """
-    return load_model_with_report(path, quantization, device, dtype, kernel, fp8_mode, track_memory=False)[0]
+    return load_model_with_report(
+        path,
+        quantization,
+        device,
+        dtype,
+        kernel,
+        fp8_mode,
+        track_memory=False,
+        tp_group=tp_group,
+        global_scales=global_scales,
+    )[0]
 
 
-def _open_weights(model: nn.Module, weights: Weights):
+def _open_weights(model: nn.Module, weights: Weights, lazy: bool):
     if isinstance(weights, (str, os.PathLike)):
         ckpt = Checkpoint(weights)
         config = ModelConfig.from_dict(ckpt.config)
@@ -237,7 +274,7 @@ def _open_weights(model: nn.Module, weights: Weights):
                     f"model's {getattr(own, name)}",
                     file=os.path.join(ckpt.path, "config.json"),
                 )
-        return ckpt, ckpt.file_of
+        return (ckpt.iter_lazy() if lazy else ckpt), ckpt.file_of  # lazy: each rank reads only its slices
     return weights, None
 
 
@@ -270,7 +307,7 @@ def reload_weights(
     """
     start = time.perf_counter()
     try:
-        stream, file_of = _open_weights(model, weights)
+        stream, file_of = _open_weights(model, weights, lazy=is_checkpoint_format)
     except LayerwiseError as e:
         raise ReloadError.wrap(e, []) from e
     if not is_checkpoint_format:

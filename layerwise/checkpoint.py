@@ -4,6 +4,10 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
 ``model.safetensors.index.json`` (``weight_map``: tensor key -> shard file). Tensors are read one at
 a time through ``safetensors.safe_open`` (memory-mapped: a tensor is a view of the file's pages, so
 no shard is ever read into memory whole), in decoder-layer order whatever the shard order.
+
+Under tensor parallelism a rank needs only a slice of most tensors: :meth:`Checkpoint.iter_lazy` yields
+:class:`LazyTensor` handles that the weight loaders narrow to their rows or columns before reading them
+(``safe_open(...).get_slice(key)[rows, cols]``); ``Checkpoint.bytes_read`` counts what was read.
 """
 
 from __future__ import annotations
@@ -24,6 +28,20 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _DTYPE_BYTES = {
     "BF16": 2,
     "F16": 2,
@@ -98,6 +116,62 @@ class TensorInfo:
     nbytes: int
 
 
+class LazyTensor:
+    """A checkpoint tensor (or a box-shaped slice of one) that is read only when materialized.
+
+    What the load path needs of a tensor before reading it: ``shape``, ``dtype``, ``device`` (cpu),
+    ``numel()``, ``element_size()``, ``to("meta")`` (for counting a loader's writes), and
+    ``narrow(dim, start, length)``, which returns a smaller LazyTensor. ``materialize()`` reads the box:
+    the whole tensor as a memory-mapped view, or a slice through ``get_slice(key)[...]`` (a copy of only
+    those bytes), and adds its bytes to ``checkpoint.bytes_read``.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, key: str, box: tuple[tuple[int, int], ...] | None = None):
+        info = checkpoint.tensors[key]
+        self.checkpoint, self.key, self.full_shape = checkpoint, key, info.shape
+        self.box = box if box is not None else tuple((0, n) for n in info.shape)  # (start, stop) per dim
+        self.dtype = _TORCH_DTYPES.get(info.dtype, torch.bfloat16)
+        self.device = torch.device("cpu")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(stop - start for start, stop in self.box)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def to(self, device, *args, **kwargs):
+        """An empty tensor of this shape on ``device`` "meta" (nothing read); any other device: the data."""
+        if torch.device(device).type == "meta":
+            return torch.empty(self.shape, dtype=self.dtype, device="meta")
+        return self.materialize().to(device, *args, **kwargs)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        """Elements [start, start + length) along ``dim`` of this box (as ``torch.Tensor.narrow``)."""
+        lo, hi = self.box[dim]
+        if not 0 <= start and start + length <= hi - lo:
+            raise IndexError(f"{self.key}: narrow({dim}, {start}, {length}) outside size {hi - lo}")
+        box = list(self.box)
+        box[dim] = (lo + start, lo + start + length)
+        return LazyTensor(self.checkpoint, self.key, tuple(box))
+
+    def materialize(self) -> torch.Tensor:
+        """Read the box from the file (see the class docstring)."""
+        handle = self.checkpoint._open(self.checkpoint.tensors[self.key].file)
+        if all((start, stop) == (0, n) for (start, stop), n in zip(self.box, self.full_shape, strict=True)):
+            tensor = handle.get_tensor(self.key)
+        else:
+            tensor = handle.get_slice(self.key)[tuple(slice(start, stop) for start, stop in self.box)]
+        self.checkpoint.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.key!r}, box={self.box})"
+
+
 class Checkpoint:
     """A Hugging Face safetensors checkpoint directory.
 
@@ -128,6 +202,7 @@ class Checkpoint:
         except json.JSONDecodeError as e:
             raise CheckpointError(f"config.json is not valid JSON: {e}", file=config_path) from e
         self._handles: dict[str, object] = {}
+        self.bytes_read = 0  # payload bytes materialized through LazyTensor (slices: only their bytes)
         self.tensors: dict[str, TensorInfo] = self._read_headers(self._weight_map())
         self.keys: list[str] = sorted(self.tensors, key=lambda k: (layer_group(k), k))
 
@@ -210,6 +285,12 @@ class Checkpoint:
         """Yield (key, tensor) in decoder-layer order, one tensor at a time."""
         for key in self.keys:
             yield key, self.get_tensor(key)
+
+    def iter_lazy(self) -> Iterator[tuple[str, LazyTensor]]:
+        """Yield (key, :class:`LazyTensor`) in decoder-layer order; nothing is read until a loader
+        materializes (a slice of) the tensor."""
+        for key in self.keys:
+            yield key, LazyTensor(self, key)
 
     def close(self) -> None:
         """Drop the open file handles (their mmaps close when the last tensor view is freed)."""

@@ -1,15 +1,77 @@
-"""Tensor-parallel rank and world size, read from torch.distributed when it is initialized."""
+"""Tensor parallelism: the explicit group a model is sharded over (never the default group).
+
+:class:`TPContext` is handed to every layer constructor, so rank and size come from the group given to
+``load_model(..., tp_group=...)`` and from nothing else: a model loaded inside a trainer whose default
+group spans many processes is not sharded unless it is given a group. ``NO_TP`` (group None, rank 0 of 1)
+means no tensor parallelism, whatever torch.distributed's state.
+
+Collectives: all_reduce (sum for row-parallel outputs and the vocab-parallel embedding, max for global
+FP8 amax) and all_gather (vocab-parallel logits); gloo on CPU, NCCL on CUDA, whatever backend the group has.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 import torch.distributed as dist
 
-
-def get_tp_rank() -> int:
-    """This process's tensor-parallel rank (0 without torch.distributed)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from layerwise.errors import TensorParallelError
 
 
-def get_tp_size() -> int:
-    """Tensor-parallel world size (1 without torch.distributed)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+@dataclass(frozen=True)
+class TPContext:
+    """The tensor-parallel group of a model and this process's place in it.
+
+    Attributes:
+        group: a torch.distributed ProcessGroup, or None (no tensor parallelism).
+        rank: this process's rank within ``group`` (0 without one).
+        size: the number of ranks in ``group`` (1 without one).
+    """
+
+    group: Any = None
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def of(cls, group: Any) -> TPContext:
+        """The context of ``group`` (None: ``NO_TP``). Rank and size are read from the group only.
+
+        Raises:
+            TensorParallelError: a group is given but torch.distributed is not initialized.
+        """
+        if group is None:
+            return NO_TP
+        if not (dist.is_available() and dist.is_initialized()):
+            raise TensorParallelError("tp_group given, but torch.distributed is not initialized")
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def divide(self, total: int, what: str) -> int:
+        """``total // size``, for a size that must split evenly across the ranks.
+
+        Raises:
+            TensorParallelError: ``total`` is not a multiple of the group size (names ``what`` and both sizes).
+        """
+        if total % self.size:
+            raise TensorParallelError(f"{what}={total} is not divisible by the tensor-parallel size {self.size}")
+        return total // self.size
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place over the group ("sum" or "max"); the identity without TP."""
+        if self.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along ``dim`` in rank order; the identity without TP."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+#: no tensor parallelism
+NO_TP = TPContext()

@@ -35,7 +35,9 @@ class Engine:
     Raises:
         ValueError: use_cuda_graph=True on a non-CUDA model.
     Memory: the KV cache takes 2 x layers x max_batch_size x max_seq_len x kv_heads x head_dim
-    elements of the embedding dtype.
+    elements of the embedding dtype (kv_heads: this rank's, under tensor parallelism).
+    Tensor parallelism: every rank of ``model.tp_group`` wraps its shard in an Engine and calls the same
+    methods with the same arguments (each forward step runs collectives over the group).
     """
 
     def __init__(
@@ -181,13 +183,17 @@ class Engine:
         Args:
             backend: a name registered with ``WeightTransferEngineFactory``.
             init_info: the backend's init info: a dict, a ``WeightTransferInitRequest`` or the typed
-                dataclass (e.g. nccl: master_address, master_port, rank_offset, world_size).
+                dataclass (e.g. nccl: master_address, master_port, rank_offset, world_size). With a
+                tensor-parallel model, every rank calls this and joins as ``rank_offset + model.tp.rank``;
+                each receives the full tensors and keeps its own slices.
         Raises:
             ValueError: an unknown backend or init-info field (named).
         """
         from layerwise.transfer import WeightTransferEngineFactory, WeightTransferInitRequest
 
-        engine = WeightTransferEngineFactory.create_engine(backend, device=self.device)
+        tp = getattr(self.model, "tp", None)  # under tensor parallelism each rank joins at rank_offset + its rank
+        rank = {"worker_rank": tp.rank} if tp is not None and tp.size > 1 else {}
+        engine = WeightTransferEngineFactory.create_engine(backend, device=self.device, **rank)
         if isinstance(init_info, WeightTransferInitRequest):
             init_info = init_info.init_info
         if isinstance(init_info, dict):

@@ -101,3 +101,8 @@ class WeightTransferTimeoutError(WeightTransferError, TimeoutError):
 class MissingDependencyError(LayerwiseError, ImportError):
     """An optional dependency is not installed; the message gives the exact ``pip install`` line
     (see :func:`layerwise.optional.import_optional`)."""
+
+
+class TensorParallelError(LayerwiseError, ValueError):
+    """A model cannot be sharded over the given tensor-parallel group (sizes that do not divide),
+    or the group is unusable. Raised while the model is built, before any weight is read."""

@@ -50,6 +50,18 @@ class QuantMethod:
         )
         layer.register_parameter("weight", weight)
 
+    def check_tp_shard(self, layer_name: str, sharded_dim: str, local_sizes: Sequence[int]) -> None:
+        """Called before ``create_weights`` of a layer sharded over more than one rank: raise if this
+        method cannot quantize the rank's shard like the matching part of the unsharded weight.
+
+        Args:
+            layer_name: the layer's name in the model (for the message).
+            sharded_dim: "output" (column-parallel: rows) or "input" (row-parallel: columns).
+            local_sizes: this rank's sizes along ``sharded_dim`` (one per fused shard for "output").
+        Raises:
+            TensorParallelError: the shard does not fit the method's layout (default: never).
+        """
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn the loaded checkpoint-format parameters into kernel tensors (in place on ``layer``).
 

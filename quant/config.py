@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from layerwise.quant.base import QuantMethod, UnquantizedLinearMethod
 from layerwise.quant.fp8 import FP8_MODES, Fp8LinearMethod
 
-#: (argument after "name:", or None; kernel; fp8_mode) -> a new method for one Linear layer
-SchemeFactory = Callable[[str | None, str, str], QuantMethod]
+#: (argument after "name:", or None; kernel; fp8_mode; amax_reduce or None) -> a new method for one Linear layer
+SchemeFactory = Callable[[str | None, str, str, Callable | None], QuantMethod]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ _ALIASES: dict[str, str] = {}
 
 
 def register_scheme(name: str, *, aliases: tuple = (), takes_argument: bool = False, help: str = ""):
-    """Decorator registering ``factory(argument, kernel, fp8_mode) -> QuantMethod`` under ``name``.
+    """Decorator registering ``factory(argument, kernel, fp8_mode, amax_reduce) -> QuantMethod`` under ``name``.
 
     Args:
         name: canonical, lower-case scheme name ("fp8-per-channel").
@@ -78,29 +78,29 @@ def parse_scheme(text: str | None) -> tuple[str, str | None]:
 
 
 @register_scheme("fp8-per-tensor", aliases=("fp8",), help="float8_e4m3fn weights, one float32 scale per tensor")
-def _fp8_per_tensor(argument, kernel, fp8_mode):
-    return Fp8LinearMethod("tensor", kernel, fp8_mode)
+def _fp8_per_tensor(argument, kernel, fp8_mode, amax_reduce):
+    return Fp8LinearMethod("tensor", kernel, fp8_mode, amax_reduce)
 
 
 @register_scheme("fp8-per-channel", help="float8_e4m3fn weights, one scale per output row")
-def _fp8_per_channel(argument, kernel, fp8_mode):
-    return Fp8LinearMethod("channel", kernel, fp8_mode)
+def _fp8_per_channel(argument, kernel, fp8_mode, amax_reduce):
+    return Fp8LinearMethod("channel", kernel, fp8_mode, amax_reduce)
 
 
 @register_scheme("fp8-per-block", help="float8_e4m3fn weights, one scale per 128 x 128 block")
-def _fp8_per_block(argument, kernel, fp8_mode):
-    return Fp8LinearMethod("block", kernel, fp8_mode)
+def _fp8_per_block(argument, kernel, fp8_mode, amax_reduce):
+    return Fp8LinearMethod("block", kernel, fp8_mode, amax_reduce)
 
 
 @register_scheme("torchao", takes_argument=True, help="Config class of torchao.quantization, applied per layer")
-def _torchao(argument, kernel, fp8_mode):
+def _torchao(argument, kernel, fp8_mode, amax_reduce):
     from layerwise.quant.torchao import TorchaoLinearMethod
 
     return TorchaoLinearMethod(argument)
 
 
 @register_scheme("none", help="the checkpoint dtype (or dtype=), F.linear")
-def _none(argument, kernel, fp8_mode):
+def _none(argument, kernel, fp8_mode, amax_reduce):
     return UnquantizedLinearMethod()
 
 
@@ -114,6 +114,8 @@ class QuantConfig:
             case-insensitive except the torchao class name.
         kernel: "torch" or "triton" (already resolved for the target device).
         fp8_mode: "auto", "w8a8" or "w8a16" (see :class:`layerwise.quant.fp8.Fp8LinearMethod`).
+        amax_reduce: under tensor parallelism with global scales, the in-place max-reduction of a float32
+            amax over the group, given to FP8 per-tensor methods (None: each rank's local amax).
     Only decoder Linear layers are quantized; embeddings, norms and lm_head keep the checkpoint dtype.
     Raises:
         ValueError: unknown scheme or fp8_mode; a torchao config that does not exist.
@@ -123,6 +125,7 @@ class QuantConfig:
     quantization: str | None = "none"
     kernel: str = "torch"
     fp8_mode: str = "auto"
+    amax_reduce: Callable | None = field(default=None, compare=False, repr=False)
     scheme: str = field(init=False)  # canonical: "fp8-per-tensor", "torchao:Float8WeightOnlyConfig", "none"
     _argument: str | None = field(init=False, repr=False)
 
@@ -132,10 +135,11 @@ class QuantConfig:
             raise ValueError(f"unknown fp8_mode {self.fp8_mode!r}; choose one of {FP8_MODES}")
         # built once now: an unknown torchao config fails here, not at the first layer, and the
         # method's name is the canonical spelling ("torchao:Float8WeightOnlyConfig")
-        method = _SCHEMES[name].factory(argument, self.kernel, self.fp8_mode)
+        method = _SCHEMES[name].factory(argument, self.kernel, self.fp8_mode, self.amax_reduce)
         object.__setattr__(self, "scheme", method.name)
         object.__setattr__(self, "_argument", method.name.partition(":")[2] or None)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
         """A new method for the Linear layer at ``prefix`` (e.g. "model.layers.0.mlp.down_proj")."""
-        return _SCHEMES[self.scheme.partition(":")[0]].factory(self._argument, self.kernel, self.fp8_mode)
+        factory = _SCHEMES[self.scheme.partition(":")[0]].factory
+        return factory(self._argument, self.kernel, self.fp8_mode, self.amax_reduce)

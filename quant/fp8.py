@@ -24,17 +24,34 @@ per-channel weights, then ``torch._scaled_mm``) on CUDA sm89+, or W8A16 (dequant
 ``F.linear``). Per-block weights always run W8A16 here (blockwise ``_scaled_mm`` is not wired up).
 This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
 ``process_weights_after_loading``).
+
+Tensor parallelism: each rank quantizes its own shard. A per-tensor scale is then the rank's local amax
+(vLLM's behaviour) unless ``amax_reduce`` is given (``load_model(..., global_scales=True)``): it reduces the
+amax (max) over the group, so every rank's FP8 shard equals the matching slice of the unsharded model byte
+for byte. Per-channel scales are per row and shard with the rows. Per-block scales shard with the blocks:
+a rank's shard must consist of whole 128-blocks along the sharded dimension (checked at construction).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerwise.kernels import FP8_DTYPE, FP8_E4M3_MAX, fp8_dequantize, fp8_quantize_weight
+from layerwise.errors import TensorParallelError
+from layerwise.kernels import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    FP8_E4M3_MAX,
+    fp8_amax,
+    fp8_dequantize,
+    fp8_quantize,
+    fp8_quantize_weight,
+    scale_from_amax,
+)
 from layerwise.kernels.reference import amax, quantize
 from layerwise.quant.base import QuantMethod, check_finite
 
@@ -96,11 +113,19 @@ class Fp8LinearMethod(QuantMethod):
         kernel: "torch" or "triton": the kernels that quantize at load time and dequantize (W8A16).
         mode: "auto" (W8A8 on CUDA sm89+ when both weight dims are multiples of 16, else W8A16),
             "w8a8" (also on CPU, where it is slow; not for "block"), or "w8a16".
+        amax_reduce: for per-tensor scales under tensor parallelism, an in-place max-reduction of the
+            rank's float32 amax over the group (None: the local amax).
     Raises:
         ValueError: unknown mode or granularity, or w8a8 with per-block scales.
     """
 
-    def __init__(self, granularity: str = "tensor", kernel: str = "torch", mode: str = "auto"):
+    def __init__(
+        self,
+        granularity: str = "tensor",
+        kernel: str = "torch",
+        mode: str = "auto",
+        amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         if mode not in FP8_MODES:
             raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {FP8_MODES}")
         if granularity not in SCALE_NAMES:
@@ -108,6 +133,7 @@ class Fp8LinearMethod(QuantMethod):
         if granularity == "block" and mode == "w8a8":
             raise ValueError("w8a8 is not available for per-block scales; use w8a16 or auto")
         self.granularity, self.kernel, self.mode = granularity, kernel, mode
+        self.amax_reduce = amax_reduce
         self.scale_name = SCALE_NAMES[granularity]
         self._scaled_mm: dict[torch.dtype, bool] = {}  # per activation dtype, decided at its first forward
         self.name = f"fp8-per-{granularity}"
@@ -119,11 +145,32 @@ class Fp8LinearMethod(QuantMethod):
             NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
         """
         check_finite(layer, skip=("weight",))  # the weight's own check is its amax
-        q, scale = fp8_quantize_weight(layer.weight.data, self.granularity, self.kernel)
+        if self.amax_reduce is not None and self.granularity == "tensor":
+            w = layer.weight.data
+            scale = scale_from_amax(self.amax_reduce(fp8_amax(w, "tensor", self.kernel)))  # max over the group
+            q = fp8_quantize(w, scale, self.kernel)
+        else:
+            q, scale = fp8_quantize_weight(layer.weight.data, self.granularity, self.kernel)
         del layer.weight
         layer.weight = nn.Parameter(q, requires_grad=False)
         scale = scale.reshape(1) if self.granularity == "tensor" else scale
         layer.register_parameter(self.scale_name, nn.Parameter(scale, requires_grad=False))
+
+    def check_tp_shard(self, layer_name: str, sharded_dim: str, local_sizes: Sequence[int]) -> None:
+        """Per-block scales: every local size along the sharded dimension must be a multiple of 128.
+
+        Raises:
+            TensorParallelError: a shard boundary would split a 128-block (names the layer and sizes).
+        """
+        if self.granularity != "block":
+            return
+        block = BLOCK_SIZE[0] if sharded_dim == "output" else BLOCK_SIZE[1]  # (rows, columns) of a block
+        if any(n % block for n in local_sizes):
+            raise TensorParallelError(
+                f"{layer_name}: per-rank {sharded_dim} sizes {list(local_sizes)} are not multiples of the "
+                f"{block}-element FP8 block, so a tensor-parallel shard boundary would split a block; "
+                f"use fp8-per-tensor or fp8-per-channel, or a smaller tensor-parallel size"
+            )
 
     def _use_scaled_mm(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether the forward for activations of ``dtype`` runs W8A8 (``torch._scaled_mm``).

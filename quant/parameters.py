@@ -56,42 +56,63 @@ class ModelWeightParameter(nn.Parameter):
 
     def load_shard(
         self,
-        loaded_weight: torch.Tensor,
+        loaded_weight,
         shard_offset: int = 0,
         shard_size: int | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        *,
+        dim: str | None = None,
+        source_start: int | None = None,
+        source_size: int | None = None,
     ) -> None:
         """Copy this rank's slice of a checkpoint tensor into a region of the parameter.
 
-        Along ``output_dim`` (or ``input_dim`` when output_dim is None) the parameter region is
-        ``[shard_offset, shard_offset + shard_size)`` and the checkpoint slice is
-        ``[tp_rank * shard_size, (tp_rank + 1) * shard_size)``; other dimensions must match.
+        Along the sharded dimension d the parameter region is ``[shard_offset, shard_offset + shard_size)``
+        and the checkpoint slice is ``[source_start, source_start + shard_size)`` (default
+        ``tp_rank * shard_size``) of a checkpoint dimension of ``source_size`` (default
+        ``shard_size * tp_size``); other dimensions must match. Only that slice is materialized: a lazy
+        checkpoint slice (``layerwise.checkpoint.LazyTensor``) is narrowed first, then read.
 
         Args:
-            loaded_weight: checkpoint tensor (CPU, any float dtype; cast on copy).
+            loaded_weight: checkpoint tensor (CPU, any float dtype; cast on copy), or a lazy slice with
+                ``.shape``, ``.narrow(dim, start, length)`` and ``.materialize()``.
+            dim: "output" (column-parallel rows: ``output_dim``), "input" (row-parallel columns:
+                ``input_dim``), or None: ``output_dim``, else ``input_dim``, else the whole tensor.
         Raises:
-            WeightShapeError: the checkpoint tensor's shape is not the full (unsharded) shape of
-                the region; the message gives both shapes.
+            WeightShapeError: the checkpoint tensor's shape is not the full (unsharded) shape of the region,
+                or the slice lies outside it; the message gives both shapes.
         """
-        dim = self.output_dim if self.output_dim is not None else self.input_dim
+        if dim is None:
+            d = self.output_dim if self.output_dim is not None else self.input_dim
+        elif dim in ("output", "input"):
+            d = self.output_dim if dim == "output" else self.input_dim
+            if d is None:
+                raise ValueError(f"load_shard: the parameter has no {dim}_dim")
+        else:
+            raise ValueError(f"load_shard: dim must be 'output', 'input' or None, got {dim!r}")
         target = self.data
         source = loaded_weight
-        if dim is not None:
-            size = self.shape[dim] - shard_offset if shard_size is None else shard_size
-            target = target.narrow(dim, shard_offset, size)
+        if d is not None:
+            size = self.shape[d] - shard_offset if shard_size is None else shard_size
+            start = tp_rank * size if source_start is None else source_start
+            full = size * tp_size if source_size is None else source_size
+            target = target.narrow(d, shard_offset, size)
             expected = list(target.shape)
-            expected[dim] = size * tp_size
-            if list(loaded_weight.shape) != expected:
+            expected[d] = full
+            if list(loaded_weight.shape) != expected or start + size > full:
                 raise WeightShapeError(
                     f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(expected)}"
+                    + ("" if start + size <= full else f" (slice [{start}, {start + size}) of dim {d})")
                 )
-            if tp_size > 1:
-                source = loaded_weight.narrow(dim, tp_rank * size, size)
-        elif loaded_weight.shape != target.shape:
+            if (start, size) != (0, full):
+                source = loaded_weight.narrow(d, start, size)
+        elif tuple(loaded_weight.shape) != tuple(target.shape):
             raise WeightShapeError(
                 f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(target.shape)}"
             )
+        if not isinstance(source, torch.Tensor):
+            source = source.materialize()
         with torch.no_grad():
             target.copy_(source)
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from layerwise.config import ModelConfig
+from layerwise.distributed import NO_TP, TPContext
 from layerwise.quant.config import QuantConfig
 from layerwise.routing import load_weights
 
@@ -24,11 +25,30 @@ class CausalLM(nn.Module):
         params_dtype: checkpoint-format dtype of every parameter.
         device: target device for buffers that are computed rather than loaded (rotary frequencies);
             parameters are created on whatever device is current (meta during a layerwise load).
+        tp: the tensor-parallel group every layer is sharded over (default: none). Kept as ``self.tp``;
+            ``self.tp_group`` is its ProcessGroup (None without tensor parallelism).
+    Raises:
+        TensorParallelError: a size of the config does not split over ``tp`` (raised while building,
+            before any weight is read).
     """
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig,
+        params_dtype: torch.dtype,
+        device: torch.device,
+        *,
+        tp: TPContext = NO_TP,
+    ):
         super().__init__()
         self.config = config
+        self.tp = tp
+
+    @property
+    def tp_group(self):
+        """The tensor-parallel ProcessGroup the model is sharded over, or None."""
+        return self.tp.group
 
     def skip_checkpoint_key(self, key: str) -> bool:
         """Checkpoint tensors that are not parameters: rotary inv_freq, and lm_head when tied."""
@@ -52,9 +72,9 @@ class CausalLM(nn.Module):
                 [B, L, num_kv_heads, head_dim]; k/v are written at ``positions`` and attention
                 covers cached positions <= each token's own (see layers/attention.py).
         Returns:
-            logits [B, T, vocab] in the parameters' dtype.
+            logits [B, T, vocab] in the parameters' dtype, the full vocabulary on every rank.
         """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         hidden = self.model(input_ids, positions, kv_caches)
-        return torch.nn.functional.linear(hidden, self.lm_head.weight)
+        return self.lm_head.compute_logits(hidden)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerwise.config import ModelConfig
-from layerwise.distributed import get_tp_size
+from layerwise.distributed import NO_TP, TPContext
 from layerwise.layers.attention import attention
 from layerwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from layerwise.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -24,7 +24,9 @@ from layerwise.quant.config import QuantConfig
 class LlamaMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up fused as gate_up_proj."""
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str):
+    def __init__(
+        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, *, tp: TPContext = NO_TP
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size,
@@ -33,6 +35,8 @@ class LlamaMLP(nn.Module):
             bias=False,
             quant_method=quant_config.get_linear_method(f"{prefix}.gate_up_proj"),
             params_dtype=dtype,
+            prefix=f"{prefix}.gate_up_proj",
+            tp=tp,
         )
         self.down_proj = RowParallelLinear(
             config.intermediate_size,
@@ -40,6 +44,8 @@ class LlamaMLP(nn.Module):
             bias=False,
             quant_method=quant_config.get_linear_method(f"{prefix}.down_proj"),
             params_dtype=dtype,
+            prefix=f"{prefix}.down_proj",
+            tp=tp,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,13 +60,17 @@ class LlamaAttention(nn.Module):
     uses_sliding_window = False  # True: attend to config.sliding_window keys at most (Mistral, Phi-3)
 
     def __init__(
-        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, device: torch.device, prefix: str
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefix: str,
+        *,
+        tp: TPContext = NO_TP,
     ):
         super().__init__()
-        tp = get_tp_size()
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads // tp
-        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
         self.scale = self.head_dim**-0.5
         bias = config.attention_bias if self.qkv_bias is None else self.qkv_bias
         self.qkv_proj = QKVParallelLinear(
@@ -71,13 +81,19 @@ class LlamaAttention(nn.Module):
             bias=bias,
             quant_method=quant_config.get_linear_method(f"{prefix}.qkv_proj"),
             params_dtype=dtype,
+            prefix=f"{prefix}.qkv_proj",
+            tp=tp,
         )
+        # this rank's heads (the kv head replicated when tp > num_key_value_heads)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
             bias=config.attention_bias and self.qkv_bias is None,
             quant_method=quant_config.get_linear_method(f"{prefix}.o_proj"),
             params_dtype=dtype,
+            prefix=f"{prefix}.o_proj",
+            tp=tp,
         )
         self.rotary_emb = self.make_rotary(config, device)
         self.sliding_window = config.sliding_window if self.uses_sliding_window else None
@@ -118,13 +134,20 @@ class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
     def __init__(
-        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, device: torch.device, prefix: str
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefix: str,
+        *,
+        tp: TPContext = NO_TP,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
-        self.self_attn = self.attention_cls(config, quant_config, dtype, device, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(config, quant_config, dtype, device, f"{prefix}.self_attn", tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
-        self.mlp = LlamaMLP(config, quant_config, dtype, f"{prefix}.mlp")
+        self.mlp = LlamaMLP(config, quant_config, dtype, f"{prefix}.mlp", tp=tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None) -> torch.Tensor:
         h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
@@ -141,11 +164,14 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         layer_cls=LlamaDecoderLayer,
+        *,
+        tp: TPContext = NO_TP,
     ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype, tp=tp)
         self.layers = nn.ModuleList(
-            layer_cls(config, quant_config, dtype, device, f"model.layers.{i}") for i in range(config.num_hidden_layers)
+            layer_cls(config, quant_config, dtype, device, f"model.layers.{i}", tp=tp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
 
@@ -161,10 +187,18 @@ class LlamaForCausalLM(CausalLM):
 
     decoder_layer_cls = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype, device: torch.device):
-        super().__init__(config, quant_config, params_dtype, device)
-        self.model = LlamaModel(config, quant_config, params_dtype, device, self.decoder_layer_cls)
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig,
+        params_dtype: torch.dtype,
+        device: torch.device,
+        *,
+        tp: TPContext = NO_TP,
+    ):
+        super().__init__(config, quant_config, params_dtype, device, tp=tp)
+        self.model = LlamaModel(config, quant_config, params_dtype, device, self.decoder_layer_cls, tp=tp)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=params_dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp)

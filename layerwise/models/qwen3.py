@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from layerwise.config import ModelConfig
+from layerwise.distributed import NO_TP, TPContext
 from layerwise.layers.norm import RMSNorm
 from layerwise.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from layerwise.quant.config import QuantConfig
@@ -14,9 +15,16 @@ class Qwen3Attention(LlamaAttention):
     """Adds q_norm and k_norm, RMSNorm over head_dim applied to every head."""
 
     def __init__(
-        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, device: torch.device, prefix: str
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefix: str,
+        *,
+        tp: TPContext = NO_TP,
     ):
-        super().__init__(config, quant_config, dtype, device, prefix)
+        super().__init__(config, quant_config, dtype, device, prefix, tp=tp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
 

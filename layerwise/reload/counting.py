@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from layerwise.checkpoint import LazyTensor
 from layerwise.reload.types import intervals_of_view
 
 aten = torch.ops.aten
@@ -36,7 +37,7 @@ class WriteRecorder(TorchDispatchMode):
 
 
 def _to_meta(x: Any) -> Any:
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
+    return x.to("meta") if isinstance(x, (torch.Tensor, LazyTensor)) else x  # a LazyTensor: nothing is read
 
 
 def record_loader_writes(

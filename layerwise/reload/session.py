@@ -181,7 +181,8 @@ def _coverage_problems(info: LayerReloadingInfo) -> tuple[list[str], list[str]]:
 
 def _find_non_finite_key(info: LayerReloadingInfo) -> str | None:
     for buffered in info.loaded_weights:
-        if has_non_finite(buffered.loaded_weight):
+        w = buffered.loaded_weight
+        if has_non_finite(w if isinstance(w, torch.Tensor) else w.materialize()):  # a LazyTensor: read it
             return buffered.key
     return None
 

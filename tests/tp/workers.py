@@ -1,0 +1,86 @@
+"""Functions the tensor-parallel workers run: ``fn(group, *args)``; results travel back by queue."""
+
+from __future__ import annotations
+
+import torch
+
+import layerwise
+from layerwise.api import load_model_with_report
+from layerwise.engine import Engine
+
+STATE: dict = {}  # per worker process: objects kept between calls (an engine)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _tensors(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+
+def load_and_forward(group, path, ids, quantization, dtype, global_scales=False, track_memory=False, device="cpu"):
+    """Load this rank's shard on ``device`` ("cuda": this rank's GPU); return its logits, kernel tensors and
+    LoadReport (as a dict), on the CPU."""
+    if device == "cuda":
+        device = f"cuda:{torch.distributed.get_rank(group)}"
+    model, report = load_model_with_report(
+        path,
+        device=device,
+        quantization=quantization,
+        dtype=dtype,
+        tp_group=group,
+        global_scales=global_scales,
+        track_memory=track_memory,
+    )
+    assert model.tp_group is group
+    with torch.no_grad():
+        logits = model(ids.to(device)).cpu()
+    tensors = {n: t.cpu() for n, t in _tensors(model).items()}
+    return {"logits": logits, "tensors": tensors, "report": report.to_dict()}
+
+
+def reload_keeps_pointers(group, path_a, path_b, quantization):
+    """Load A, reload B in place; return whether every data_ptr was kept and whether the result equals a
+    fresh load of B bit for bit."""
+    model = layerwise.load_model(path_a, quantization=quantization, tp_group=group, global_scales=True)
+    ptrs = {n: t.data_ptr() for n, t in model.named_parameters()}
+    report = layerwise.reload_weights(model, path_b)
+    fresh = layerwise.load_model(path_b, quantization=quantization, tp_group=group, global_scales=True)
+    ours, theirs = _tensors(model), _tensors(fresh)
+    same = ours.keys() == theirs.keys() and all(torch.equal(_bytes(ours[n]), _bytes(theirs[n])) for n in ours)
+    kept = ptrs == {n: t.data_ptr() for n, t in model.named_parameters()}
+    return {"ptrs_kept": kept, "equal": same, "updated": len(report.updated_modules)}
+
+
+def engine_join_transfer(group, path, init_info):
+    """Wrap this rank's shard of ``path`` in an Engine and join the trainer's transfer group."""
+    model = layerwise.load_model(path, quantization="fp8", tp_group=group, global_scales=True)
+    engine = Engine(model, max_batch_size=1, max_seq_len=32)
+    engine.init_weight_transfer_engine("nccl", init_info)
+    STATE["engine"] = engine
+    return engine.transfer_engine.worker_rank
+
+
+def engine_update_and_compare(group, update_info, expected_path, prompt):
+    """Receive one update; return whether it equals a fresh TP load of ``expected_path`` (data_ptrs kept),
+    and the engine's greedy tokens."""
+    engine = STATE["engine"]
+    ptrs = {n: t.data_ptr() for n, t in engine.model.named_parameters()}
+    engine.update_weights({"update_info": update_info})
+    fresh = layerwise.load_model(expected_path, quantization="fp8", tp_group=group, global_scales=True)
+    ours, theirs = _tensors(engine.model), _tensors(fresh)
+    same = ours.keys() == theirs.keys() and all(torch.equal(_bytes(ours[n]), _bytes(theirs[n])) for n in ours)
+    tokens = engine.generate([prompt], max_new_tokens=4)
+    engine.shutdown_weight_transfer()
+    kept = ptrs == {n: t.data_ptr() for n, t in engine.model.named_parameters()}
+    return {"equal": same, "ptrs_kept": kept, "tokens": tokens}
+
+
+def load_error(group, path):
+    """The error a load raises (type name, message), or None."""
+    try:
+        layerwise.load_model(path, quantization="fp8", tp_group=group)
+    except Exception as e:  # noqa: BLE001 -- returned to the test
+        return type(e).__name__, str(e)
+    return None
