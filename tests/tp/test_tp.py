@@ -40,12 +40,27 @@ def _bytes(t):
 
 def test_bf16_logits_equal_tp1(tp2, hf_checkpoint):
     arch, path = hf_checkpoint
-    reference = layerwise.load_model(path, quantization=None, dtype="float32")(IDS)
+    reference = layerwise.load_model(path, quantization=None, dtype="float32")
+    logits = reference(IDS)
+    full_numel = {p: info.load_numel_total for p, info in workers._infos(reference)}
     results = tp2.run(workers.load_and_forward, str(path), IDS, None, "float32")
     for rank, out in enumerate(results):
-        _close(out["logits"], reference, 1e-5)
+        _close(out["logits"], logits, 1e-5)
         assert out["tensors"]["model.layers.0.self_attn.qkv_proj.weight"].shape[0] == (4 * 16 + 2 * 2 * 16) // 2
         assert (out["report"]["tp_rank"], out["report"]["tp_size"]) == (rank, 2)
+        # load_numel counts the rank's elements: half of every sharded module, all of a replicated one
+        for prefix, numel in out["load_numel_total"].items():
+            sharded = "proj" in prefix or "embed" in prefix or "lm_head" in prefix
+            assert numel == (full_numel[prefix] // 2 if sharded else full_numel[prefix]), prefix
+
+
+@pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "MistralForCausalLM"])
+def test_fused_checkpoint_and_sliding_window_models_under_tp(tp2, tmp_path, arch):
+    """Phi-3 stores qkv_proj and gate_up_proj fused (split per part on each rank); Mistral: sliding window."""
+    path = write_hf_checkpoint(tmp_path / "m", arch)
+    logits = layerwise.load_model(path, quantization=None, dtype="float32")(IDS)
+    for out in tp2.run(workers.load_and_forward, str(path), IDS, None, "float32"):
+        _close(out["logits"], logits, 1e-5)
 
 
 def test_fp8_global_scales_shards_are_slices_of_tp1(tp2, hf_checkpoint):

@@ -37,7 +37,17 @@ def load_and_forward(group, path, ids, quantization, dtype, global_scales=False,
     with torch.no_grad():
         logits = model(ids.to(device)).cpu()
     tensors = {n: t.cpu() for n, t in _tensors(model).items()}
-    return {"logits": logits, "tensors": tensors, "report": report.to_dict()}
+    load_numel = {prefix: info.load_numel_total for prefix, info in _infos(model)}
+    return {"logits": logits, "tensors": tensors, "report": report.to_dict(), "load_numel_total": load_numel}
+
+
+def _infos(model):
+    from layerwise.reload.session import get_layerwise_info
+
+    for prefix, module in model.named_modules():
+        info = get_layerwise_info(module)
+        if info is not None:
+            yield prefix, info
 
 
 def reload_keeps_pointers(group, path_a, path_b, quantization):
