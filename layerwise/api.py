@@ -284,7 +284,9 @@ def reload_weights(
     """Reload weights into ``model`` in place: every parameter keeps its object, storage and data_ptr.
 
     Args:
-        model: a model returned by :func:`layerwise.load_model`.
+        model: a model returned by :func:`layerwise.load_model`. A tensor-parallel model (``model.tp_group``):
+            every rank calls reload_weights with the same full (unsharded) weights; each rank reads or keeps
+            only its own slices.
         weights: a checkpoint directory, or any iterable of (name, tensor). Tensors may live on any
             device; those waiting for the rest of their module are kept on the CPU.
         is_checkpoint_format: True: Hugging Face names and dtype (e.g. BF16); each complete module

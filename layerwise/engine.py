@@ -187,12 +187,17 @@ class Engine:
                 tensor-parallel model, every rank calls this and joins as ``rank_offset + model.tp.rank``;
                 each receives the full tensors and keeps its own slices.
         Raises:
-            ValueError: an unknown backend or init-info field (named).
+            ValueError: an unknown backend or init-info field (named); a backend other than nccl for a
+                tensor-parallel model.
         """
         from layerwise.transfer import WeightTransferEngineFactory, WeightTransferInitRequest
 
         tp = getattr(self.model, "tp", None)  # under tensor parallelism each rank joins at rank_offset + its rank
-        rank = {"worker_rank": tp.rank} if tp is not None and tp.size > 1 else {}
+        rank = {}
+        if tp is not None and tp.size > 1:
+            if backend != "nccl":
+                raise ValueError(f"a tensor-parallel engine receives weights over nccl only, not {backend!r}")
+            rank = {"worker_rank": tp.rank}
         engine = WeightTransferEngineFactory.create_engine(backend, device=self.device, **rank)
         if isinstance(init_info, WeightTransferInitRequest):
             init_info = init_info.init_info

@@ -132,3 +132,14 @@ def test_lazy_slice_reads_only_its_bytes(hf_checkpoint):
     assert torch.equal(part, ckpt.get_tensor(key)[:, 80:])
     assert ckpt.bytes_read == 64 * 80 * 2
     ckpt.close()
+
+
+def test_tp_engine_takes_weights_over_nccl_only(tmp_path):
+    import layerwise
+    from layerwise.engine import Engine
+    from tests.hf_checkpoints import write_hf_checkpoint
+
+    model = layerwise.load_model(write_hf_checkpoint(tmp_path / "m", "Qwen3ForCausalLM", num_layers=1))
+    model.tp = TPContext(None, 1, 2)  # as if rank 1 of 2 (no collective runs here)
+    with pytest.raises(ValueError, match="nccl only, not 'ipc'"):
+        Engine(model).init_weight_transfer_engine("ipc", {})

@@ -194,3 +194,8 @@ def test_tp4_replicated_kv_heads_and_uneven_vocab(tp4, tmp_path, arch):
             embed[:real], ref["model.embed_tokens.weight"][33 * r : 33 * r + real]
         )
         assert not embed[real:].any()
+
+
+def test_no_tp_group_means_no_sharding_whatever_the_world_size(tp2, hf_checkpoint):
+    _, path = hf_checkpoint
+    assert tp2.run(workers.load_without_group, str(path)) == [(None, 1, (128, 64))] * 2

@@ -94,3 +94,9 @@ def load_error(group, path):
     except Exception as e:  # noqa: BLE001 -- returned to the test
         return type(e).__name__, str(e)
     return None
+
+
+def load_without_group(group, path):
+    """load_model with no tp_group inside an initialized world of several ranks: the model is not sharded."""
+    model = layerwise.load_model(path, quantization=None)
+    return model.tp_group, model.tp.size, tuple(model.model.layers[0].self_attn.qkv_proj.weight.shape)
