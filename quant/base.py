@@ -50,9 +50,10 @@ class QuantMethod:
         )
         layer.register_parameter("weight", weight)
 
-    def check_tp_shard(self, layer_name: str, sharded_dim: str, local_sizes: Sequence[int]) -> None:
-        """Called before ``create_weights`` of a layer sharded over more than one rank: raise if this
-        method cannot quantize the rank's shard like the matching part of the unsharded weight.
+    def configure_tp_shard(self, layer_name: str, sharded_dim: str, local_sizes: Sequence[int]) -> None:
+        """Called before ``create_weights`` of a layer sharded over more than one rank: remember how the layer
+        is sharded, and raise if this method cannot quantize the rank's shard like the matching part of the
+        unsharded weight.
 
         Args:
             layer_name: the layer's name in the model (for the message).

@@ -28,8 +28,10 @@ This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
 Tensor parallelism: each rank quantizes its own shard. A per-tensor scale is then the rank's local amax
 (vLLM's behaviour) unless ``amax_reduce`` is given (``load_model(..., global_scales=True)``): it reduces the
 amax (max) over the group, so every rank's FP8 shard equals the matching slice of the unsharded model byte
-for byte. Per-channel scales are per row and shard with the rows. Per-block scales shard with the blocks:
-a rank's shard must consist of whole 128-blocks along the sharded dimension (checked at construction).
+for byte. Per-channel scales shard with the rows of column-parallel layers; a row-parallel layer holds part
+of every row, so its per-row amax is local (vLLM) or, with ``amax_reduce``, reduced over the group.
+Per-block scales shard with the blocks: a rank's shard must consist of whole 128-blocks along the sharded
+dimension (checked at construction).
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class Fp8LinearMethod(QuantMethod):
             raise ValueError("w8a8 is not available for per-block scales; use w8a16 or auto")
         self.granularity, self.kernel, self.mode = granularity, kernel, mode
         self.amax_reduce = amax_reduce
+        self.sharded_dim: str | None = None  # "output" / "input" under tensor parallelism (configure_tp_shard)
         self.scale_name = SCALE_NAMES[granularity]
         self._scaled_mm: dict[torch.dtype, bool] = {}  # per activation dtype, decided at its first forward
         self.name = f"fp8-per-{granularity}"
@@ -145,9 +148,12 @@ class Fp8LinearMethod(QuantMethod):
             NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
         """
         check_finite(layer, skip=("weight",))  # the weight's own check is its amax
-        if self.amax_reduce is not None and self.granularity == "tensor":
+        # global scales: a per-tensor amax spans every rank's shard; a per-channel amax of a row-parallel
+        # layer spans every rank's columns of the row. Column-parallel rows and whole blocks are complete.
+        partial = self.granularity == "tensor" or (self.granularity == "channel" and self.sharded_dim == "input")
+        if self.amax_reduce is not None and partial:
             w = layer.weight.data
-            scale = scale_from_amax(self.amax_reduce(fp8_amax(w, "tensor", self.kernel)))  # max over the group
+            scale = scale_from_amax(self.amax_reduce(fp8_amax(w, self.granularity, self.kernel)))  # max over ranks
             q = fp8_quantize(w, scale, self.kernel)
         else:
             q, scale = fp8_quantize_weight(layer.weight.data, self.granularity, self.kernel)
@@ -156,12 +162,15 @@ class Fp8LinearMethod(QuantMethod):
         scale = scale.reshape(1) if self.granularity == "tensor" else scale
         layer.register_parameter(self.scale_name, nn.Parameter(scale, requires_grad=False))
 
-    def check_tp_shard(self, layer_name: str, sharded_dim: str, local_sizes: Sequence[int]) -> None:
-        """Per-block scales: every local size along the sharded dimension must be a multiple of 128.
+    def configure_tp_shard(self, layer_name: str, sharded_dim: str, local_sizes: Sequence[int]) -> None:
+        """Remember the sharded dimension (a row-parallel layer's output rows are partial, so with
+        ``amax_reduce`` its per-channel amax is reduced too). Per-block scales: every local size along the
+        sharded dimension must be a multiple of 128.
 
         Raises:
             TensorParallelError: a shard boundary would split a 128-block (names the layer and sizes).
         """
+        self.sharded_dim = sharded_dim
         if self.granularity != "block":
             return
         block = BLOCK_SIZE[0] if sharded_dim == "output" else BLOCK_SIZE[1]  # (rows, columns) of a block

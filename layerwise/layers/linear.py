@@ -67,7 +67,7 @@ class LinearBase(nn.Module):
         self.quant_method = quant_method
         if tp.size > 1:
             local = self.output_sizes if self.sharded_dim == "output" else [input_size]
-            quant_method.check_tp_shard(prefix or type(self).__name__, self.sharded_dim, local)
+            quant_method.configure_tp_shard(prefix or type(self).__name__, self.sharded_dim, local)
         quant_method.create_weights(self, input_size, self.output_sizes, params_dtype, self.weight_loader)
         if bias:
             self.bias = ModelWeightParameter(

@@ -199,3 +199,40 @@ def test_tp4_replicated_kv_heads_and_uneven_vocab(tp4, tmp_path, arch):
 def test_no_tp_group_means_no_sharding_whatever_the_world_size(tp2, hf_checkpoint):
     _, path = hf_checkpoint
     assert tp2.run(workers.load_without_group, str(path)) == [(None, 1, (128, 64))] * 2
+
+
+@pytest.mark.parametrize("scheme", ["fp8-per-channel", "fp8-per-block"])
+def test_per_channel_and_per_block_scales_shard_with_rows_and_blocks(tp2, tmp_path, scheme):
+    """global_scales, shards of whole 128-blocks (2 heads of 128, kv heads 2, hidden 256, intermediate 512 at
+    tp=2): each rank's FP8 weight and scales are the matching rows/columns (blocks) of the TP=1 tensors, byte
+    for byte. Per-channel scales of row-parallel layers are every row's, reduced over the ranks."""
+    path = write_hf_checkpoint(
+        tmp_path / "m",
+        "MistralForCausalLM",
+        hidden=256,
+        intermediate=512,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=128,
+    )
+    reference = layerwise.load_model(path, quantization=scheme, dtype="float32")
+    ref = {n: t.detach() for n, t in reference.named_parameters()}
+    ids = IDS % 128
+    results = tp2.run(workers.load_and_forward, str(path), ids, scheme, "float32", True)
+    scale = "weight_scale" if scheme == "fp8-per-channel" else "weight_scale_inv"
+    for r, out in enumerate(results):
+        got = out["tensors"]
+        for layer in ("self_attn.qkv_proj", "mlp.gate_up_proj"):  # column-parallel: rows of every part
+            name = f"model.layers.0.{layer}"
+            w, s = ref[f"{name}.weight"], ref[f"{name}.{scale}"]
+            parts = 3 if "qkv" in layer else 2
+            expected_w = torch.cat([_rows(x, r, 2) for x in w.chunk(parts)])
+            expected_s = torch.cat([_rows(x, r, 2) for x in s.chunk(parts)])
+            assert torch.equal(_bytes(got[f"{name}.weight"]), _bytes(expected_w)), (r, name)
+            assert torch.equal(got[f"{name}.{scale}"], expected_s), (r, name)
+        for layer in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: columns (and block columns)
+            name = f"model.layers.0.{layer}"
+            assert torch.equal(_bytes(got[f"{name}.weight"]), _bytes(_cols(ref[f"{name}.weight"], r, 2))), (r, name)
+            s = ref[f"{name}.{scale}"]  # per channel: every row's scale, reduced over the ranks (global_scales)
+            assert torch.equal(got[f"{name}.{scale}"], s if scheme == "fp8-per-channel" else _cols(s, r, 2)), (r, name)
+        _close(out["logits"], reference(ids), 1e-5)
