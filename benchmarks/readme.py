@@ -32,6 +32,7 @@ FILES = {
     "reload_latency": "reload_latency_cpu_default",
     "quant_kernels": "quant_kernels_cpu",
     "weight_transfer": "weight_transfer_cpu_default",
+    "tp_load": "tp_load_cpu_default",
 }
 DEMO_FILE = "demo_load_cpu"
 DEMO_BEGIN = re.compile(r"<!-- demo:begin.*?-->\n", re.DOTALL)
@@ -262,6 +263,41 @@ chunked eager reference."""
     return text
 
 
+def tp_load_table(result: dict) -> str:
+    """Markdown table of a tp_load result: per-rank bytes read, model, peak and load time per tp size."""
+    lines = [
+        "| tp | bytes read per rank (MiB) | model per rank (MiB) | peak per rank (MiB) | "
+        "(peak - model) / (largest layer / tp) | load s (slowest rank) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in result["results"]:
+        tp, ranks = run["tp"], run["ranks"]
+        worst = max(ranks, key=lambda r: r["peak_bytes"] - r["model_bytes"])
+        layer_share = worst["largest_layer_checkpoint_bytes"] / tp
+        lines.append(
+            f"| {tp} | {max(r['bytes_read'] for r in ranks) / MIB:,.1f} | {worst['model_bytes'] / MIB:,.1f} | "
+            f"{worst['peak_bytes'] / MIB:,.1f} | {(worst['peak_bytes'] - worst['model_bytes']) / layer_share:.2f} | "
+            f"{max(r['seconds'] for r in ranks):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _tp_load(tp: dict, pm: dict) -> str:
+    runs = {run["tp"]: run["ranks"] for run in tp["results"]}
+    total = runs[1][0]["bytes_read"] if 1 in runs else tp["results"][0]["ranks"][0]["checkpoint_bytes"]
+    shares = ", ".join(
+        f"{max(r['bytes_read'] for r in ranks) / total:.2f} at tp={n}" for n, ranks in runs.items() if n > 1
+    )
+    return f"""### Tensor-parallel load
+
+The same checkpoint loaded as {tp["quantization"]} with `global_scales=True` on tp ranks (gloo on
+127.0.0.1, one thread per process; a warm-up load first, then the measured one) by
+`python -m layerwise.benchmarks.tp_load`. Each rank reads only its slices: bytes read per rank /
+checkpoint = {shares}. Run it yourself with `torchrun --nproc-per-node 2 -m layerwise.tp_demo --compare`.
+
+{tp_load_table(tp)}"""
+
+
 def section(results: Path, readme: Path) -> str:
     """The text between the README markers, from the JSON files in ``results`` (image paths relative to
     ``readme``'s folder).
@@ -277,6 +313,7 @@ def section(results: Path, readme: Path) -> str:
         _peak_memory(pm, Path(image).as_posix()),
         _reload_latency(data["reload_latency"], pm),
         _weight_transfer(data["weight_transfer"], pm),
+        _tp_load(data["tp_load"], pm),
         _quant_kernels(data["quant_kernels"], pm),
     ]
     return "\n\n".join(parts) + "\n"

@@ -158,3 +158,17 @@ def test_readme_follows_a_changed_figure(tmp_path):
     head, tail = before[: readme.BEGIN.search(before).end()], before.split(readme.END, 1)[1]
     assert after.startswith(head) and after.endswith(readme.END + tail)  # only the marked section changed
     assert readme.main(["--check", *args]) == 0
+
+
+def test_tp_load_small_reads_a_share_per_rank(tmp_path):
+    from layerwise.benchmarks import tp_load
+
+    args = ["--size", "small", "--tp", "1,2", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    assert tp_load.main(args) == 0
+    runs = {run["tp"]: run["ranks"] for run in json.loads((tmp_path / "tp_load_cpu_small.json").read_text())["results"]}
+    assert len(runs[1]) == 1 and len(runs[2]) == 2
+    whole = runs[1][0]["bytes_read"]
+    assert whole == runs[1][0]["checkpoint_bytes"]
+    for rank in runs[2]:  # half of the sharded weights plus the replicated ones (norms)
+        assert 0.5 * whole <= rank["bytes_read"] < 0.55 * whole
+        assert rank["model_bytes"] < 0.55 * runs[1][0]["model_bytes"] and rank["peak_bytes"] >= rank["model_bytes"]
