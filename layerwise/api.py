@@ -312,6 +312,14 @@ def reload_weights(
         stream, file_of = _open_weights(model, weights, lazy=is_checkpoint_format)
     except LayerwiseError as e:
         raise ReloadError.wrap(e, []) from e
+    try:
+        return _reload(model, stream, file_of, is_checkpoint_format, atomic, start)
+    finally:
+        if isinstance(stream, Checkpoint):  # opened here: drop its file handles now, not at garbage collection
+            stream.close()
+
+
+def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomic: bool, start: float) -> ReloadReport:
     if not is_checkpoint_format:
         updated: list = []
         try:

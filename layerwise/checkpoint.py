@@ -152,7 +152,7 @@ class LazyTensor:
     def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
         """Elements [start, start + length) along ``dim`` of this box (as ``torch.Tensor.narrow``)."""
         lo, hi = self.box[dim]
-        if not 0 <= start and start + length <= hi - lo:
+        if not (0 <= start and length >= 0 and start + length <= hi - lo):
             raise IndexError(f"{self.key}: narrow({dim}, {start}, {length}) outside size {hi - lo}")
         box = list(self.box)
         box[dim] = (lo + start, lo + start + length)

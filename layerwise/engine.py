@@ -69,6 +69,7 @@ class Engine:
         self.captures = 0
         self._weights_lock = threading.Lock()  # held by each forward step and by each weight update
         self._held_update_lock = False  # start_weight_update ... finish/abort hold it across calls
+        self._update_owner: int | None = None  # the thread that opened that update
         self.transfer_engine = None  # set by init_weight_transfer_engine
 
     @classmethod
@@ -121,6 +122,7 @@ class Engine:
             ValueError: a tensor that is not 2-D, too many prompts, an empty prompt, a token id
                 outside the vocabulary, or prompt + new tokens > max_seq_len.
         """
+        self._refuse_nested_update()
         as_tensor = isinstance(prompts, torch.Tensor)
         token_lists = _prompt_lists(prompts)
         vocab = self.model.config.vocab_size
@@ -166,6 +168,7 @@ class Engine:
         On CUDA the step's kernels may still run when the lock is released; the update's copies are
         issued on the same stream after them, so they never overlap.
         """
+        self._refuse_nested_update()
         with self._weights_lock:
             yield
 
@@ -224,13 +227,14 @@ class Engine:
         aborted. Returns the open ``layerwise.transfer.WeightUpdate``."""
         from layerwise.transfer import start_weight_update
 
+        self._refuse_nested_update()
         self._weights_lock.acquire()
         try:
             update = start_weight_update(self.model, is_checkpoint_format, atomic=atomic)
         except BaseException:
             self._weights_lock.release()
             raise
-        self._held_update_lock = True
+        self._held_update_lock, self._update_owner = True, threading.get_ident()
         return update
 
     def receive_weights(self, update_info, transfer_engine=None) -> None:
@@ -265,9 +269,19 @@ class Engine:
             self.transfer_engine.shutdown()
             self.transfer_engine = None
 
+    def _refuse_nested_update(self) -> None:
+        """Raise instead of waiting forever when this thread's own open update holds the lock (another
+        thread's update is simply waited for)."""
+        if self._held_update_lock and self._update_owner == threading.get_ident():
+            raise RuntimeError(
+                "a weight update opened with start_weight_update is in progress on this engine: call "
+                "finish_weight_update() or abort_weight_update() first (generate, reload_weights and "
+                "update_weights wait for it)"
+            )
+
     def _release_update_lock(self) -> None:
         if self._held_update_lock:
-            self._held_update_lock = False
+            self._held_update_lock, self._update_owner = False, None
             self._weights_lock.release()
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerwise.errors import TensorParallelError
+from layerwise.errors import NonFiniteWeightError, TensorParallelError
 from layerwise.kernels import (
     BLOCK_SIZE,
     FP8_DTYPE,
@@ -147,15 +147,21 @@ class Fp8LinearMethod(QuantMethod):
         Raises:
             NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
         """
-        check_finite(layer, skip=("weight",))  # the weight's own check is its amax
         # global scales: a per-tensor amax spans every rank's shard; a per-channel amax of a row-parallel
         # layer spans every rank's columns of the row. Column-parallel rows and whole blocks are complete.
         partial = self.granularity == "tensor" or (self.granularity == "channel" and self.sharded_dim == "input")
         if self.amax_reduce is not None and partial:
             w = layer.weight.data
-            scale = scale_from_amax(self.amax_reduce(fp8_amax(w, self.granularity, self.kernel)))  # max over ranks
+            amax = fp8_amax(w, self.granularity, self.kernel)
+            try:
+                check_finite(layer, skip=("weight",))  # the weight's own check is its amax
+            except NonFiniteWeightError:  # join the collective anyway, with +Inf: every rank then fails together
+                self.amax_reduce(torch.full_like(amax, float("inf")))
+                raise
+            scale = scale_from_amax(self.amax_reduce(amax))  # max over ranks; +Inf from any rank raises on all
             q = fp8_quantize(w, scale, self.kernel)
         else:
+            check_finite(layer, skip=("weight",))  # the weight's own check is its amax
             q, scale = fp8_quantize_weight(layer.weight.data, self.granularity, self.kernel)
         del layer.weight
         layer.weight = nn.Parameter(q, requires_grad=False)

@@ -120,3 +120,18 @@ def test_start_weight_update_holds_generation_until_finish(tmp_path):
     assert result and "model.layers.1.mlp.gate_up_proj" in report.updated_modules
     fresh = Engine.from_pretrained(b, max_batch_size=1, max_seq_len=24)
     assert result[0] == fresh.generate([[1, 2, 3]], 4)
+
+
+def test_the_thread_that_opened_an_update_gets_an_error_not_a_deadlock(tmp_path):
+    a = write_checkpoint(tmp_path / "a", TINY, seed=0)
+    engine = Engine.from_pretrained(a, max_batch_size=1, max_seq_len=24)
+    engine.start_weight_update(is_checkpoint_format=True)
+    for call in (
+        lambda: engine.generate([[1, 2]], 2),
+        lambda: engine.reload_weights(a),
+        lambda: engine.start_weight_update(),
+    ):
+        with pytest.raises(RuntimeError, match="finish_weight_update"):
+            call()
+    engine.abort_weight_update()
+    assert len(engine.generate([[1, 2]], 2)[0]) == 2  # usable again

@@ -39,14 +39,15 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param, loaded_weight, shard_id=None):
         """Read rows [vocab_start, vocab_start + num_real_rows) of the [V, hidden] checkpoint table; zero
         the padding rows (they count as written, so the module completes)."""
-        param.load_shard(
-            loaded_weight,
-            0,
-            self.num_real_rows,
-            dim="output",
-            source_start=self.vocab_start,
-            source_size=self.num_embeddings,
-        )
+        if self.num_real_rows > 0:  # a rank past the vocabulary (V=5 at tp=4) holds only padding
+            param.load_shard(
+                loaded_weight,
+                0,
+                self.num_real_rows,
+                dim="output",
+                source_start=self.vocab_start,
+                source_size=self.num_embeddings,
+            )
         if self.num_real_rows < self.rows_per_rank:
             with torch.no_grad():
                 param.data[self.num_real_rows :].zero_()

@@ -143,3 +143,30 @@ def test_tp_engine_takes_weights_over_nccl_only(tmp_path):
     model.tp = TPContext(None, 1, 2)  # as if rank 1 of 2 (no collective runs here)
     with pytest.raises(ValueError, match="nccl only, not 'ipc'"):
         Engine(model).init_weight_transfer_engine("ipc", {})
+
+
+def test_a_rank_past_the_vocabulary_holds_only_padding():
+    import torch
+
+    from layerwise.distributed import TPContext
+    from layerwise.layers.embedding import VocabParallelEmbedding
+
+    layer = VocabParallelEmbedding(5, 2, params_dtype=torch.float32, tp=TPContext(None, 3, 4))  # rows 6, 7
+    assert layer.num_real_rows == 0
+    layer.weight_loader(layer.weight, torch.randn(5, 2))
+    assert not layer.weight.any()
+
+
+def test_lazy_narrow_past_the_end_is_an_error(tmp_path):
+    import pytest
+    import torch
+    from safetensors.torch import save_file
+
+    from layerwise.checkpoint import Checkpoint
+
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"w": torch.randn(4, 3)}, str(tmp_path / "model.safetensors"))
+    lazy = dict(Checkpoint(tmp_path).iter_lazy())["w"]
+    with pytest.raises(IndexError):
+        lazy.narrow(0, 3, 5)
+    assert lazy.narrow(0, 1, 3).materialize().shape == (3, 3)
