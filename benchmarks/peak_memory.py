@@ -32,6 +32,7 @@ timelines plotted), and prints the table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -206,6 +207,7 @@ def worker(method: str, path: str, device: str) -> dict:
     )
     timeline = [p for p in tracker.timeline if p not in tracker.timeline_marks]
     del result
+    gc.collect()  # models hold reference cycles: free the tracked one before the timed loads
     # time: the best of two loads without the tracker (its per-op Python work would weigh on
     # methods unevenly); the page cache is warm for these loads, as for every method
     seconds = float("inf")
@@ -216,6 +218,7 @@ def worker(method: str, path: str, device: str) -> dict:
             torch.cuda.synchronize()
         seconds = min(seconds, time.perf_counter() - start)
         del result
+        gc.collect()
     marks = {name: b for name, b in tracker.marks}
     return {
         "method": method,

@@ -133,7 +133,10 @@ def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
     amax_value = amax_value.float()
     if has_non_finite(amax_value):
         raise NonFiniteWeightError("tensor holds NaN or Inf (non-finite amax)")
-    scale = torch.clamp(amax_value / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    # A tensor divisor, not the Python number: CUDA's div turns division by a CPU scalar into a
+    # multiplication by its reciprocal, which is 1 ulp off for some amaxes (seen on an H100).
+    divisor = torch.full((), FP8_E4M3_MAX, dtype=torch.float32, device=amax_value.device)
+    scale = torch.clamp(amax_value / divisor, min=torch.finfo(torch.float32).tiny)
     return torch.where(amax_value > 0, scale, torch.ones_like(scale))
 
 

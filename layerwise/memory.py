@@ -132,6 +132,7 @@ class DeviceMemoryTracker:
         self.final_bytes = 0
         self.peak_rss_anon_bytes = 0
         self._cuda_timeline: list[tuple[float, int]] = []
+        self._cuda_peak: int | None = None
         self.marks: list[tuple[str, int]] = []
         self.timeline_marks: list[tuple[float, int]] = []
 
@@ -153,6 +154,8 @@ class DeviceMemoryTracker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.final_bytes = torch.cuda.memory_allocated(self.device) - self._base
+            # frozen here: the allocator's peak keeps counting whatever runs after the block
+            self._cuda_peak = torch.cuda.max_memory_allocated(self.device) - self._base
             self._cuda_timeline = [(0.0, 0), (self._clock(), self.final_bytes)]
         else:
             self._mode.__exit__(*exc)
@@ -197,6 +200,8 @@ class DeviceMemoryTracker:
     @property
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
+            if self._cuda_peak is not None:
+                return self._cuda_peak
             return torch.cuda.max_memory_allocated(self.device) - self._base
         return self._mode.peak
 

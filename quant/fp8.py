@@ -103,7 +103,8 @@ def _activation_scale(x2: torch.Tensor, granularity: str) -> torch.Tensor:
     activation gets the smallest scale and stays 0."""
     per_token = granularity == "channel"
     a = amax(x2, "channel" if per_token else "tensor")
-    scale = torch.clamp(a / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+    divisor = torch.full((), FP8_E4M3_MAX, dtype=torch.float32, device=a.device)  # IEEE division on CUDA too
+    scale = torch.clamp(a / divisor, min=torch.finfo(torch.float32).tiny)
     return scale if per_token else scale.reshape(1)
 
 
