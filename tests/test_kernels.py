@@ -173,6 +173,9 @@ def test_custom_ops_trace_under_torch_compile():
 
 def test_fused_cpu_quantize_is_bit_exact(monkeypatch):
     monkeypatch.setattr(cpu_fused, "FUSED_MIN_NUMEL", 1)
+    monkeypatch.delenv("LAYERWISE_COMPILE", raising=False)
+    assert not cpu_fused.use_fused(torch.ones(4), "tensor")  # opt-in: no compile on the load path
+    monkeypatch.setenv("LAYERWISE_COMPILE", "1")
     g = torch.Generator().manual_seed(3)
     for w in [
         torch.randn(257, 4099, generator=g).bfloat16(),
@@ -211,3 +214,21 @@ def test_resolve_kernel():
     assert kernels.resolve_kernel(None, "cuda") == ("triton" if kernels.HAS_TRITON else "torch")
     with pytest.raises(ValueError):
         kernels.resolve_kernel("cutlass", "cpu")
+
+
+def test_eager_triton_ops_do_not_import_the_compiler_stack():
+    # a custom op's first eager call imports torch._dynamo, sympy and Inductor (seconds); the load path
+    # must not (issue 14). A fresh interpreter, so that earlier tests' imports do not count.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from layerwise.kernels import ops\n"
+        "w = torch.randn(8, 8)\n"
+        "s = torch.clamp(ops.fp8_amax_triton(w, 'channel') / torch.tensor(448.0), min=1e-12)\n"
+        "ops.fp8_dequantize_triton(ops.fp8_quantize_triton(w, s), s, torch.float32)\n"
+        "heavy = [m for m in ('torch._dynamo', 'sympy', 'torch._inductor') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
