@@ -7,9 +7,28 @@ instead of torchao's usual "load everything in BF16, then quantize_". The weight
 torchao tensor subclass; forward is ``F.linear``, which the subclass dispatches.
 Reload copies into the existing subclass (``copy_`` of Float8Tensor and Int8Tensor copies their
 inner qdata/scale storages in place, measured with torchao 0.18).
+
+Row chunks (see :meth:`TorchaoLinearMethod.quantize_rows`): torchao's ``quantize_`` makes float32
+temporaries of everything it quantizes, so a weight is quantized a few rows at a time and the
+subclass reassembled. That is exact only where every output row depends on its input row alone:
+
+1. Only the tensor types in ``ROW_LOCAL_TYPES`` are chunked (their inner tensors are plain arrays
+   indexed by weight row), and only when their ``block_size`` is ``[1, G]`` (per row, or groups
+   within a row). Per-tensor scales (``PerTensor()`` granularity, the default of
+   ``Float8DynamicActivationFloat8WeightConfig``) depend on every row: such weights are quantized
+   whole, float32 temporaries included.
+2. torchao may leave a weight unquantized (a plain tensor): ``Float8DynamicActivationFloat8WeightConfig``
+   skips weights whose dimensions are not multiples of 16, ``Int4WeightOnlyConfig`` skips on CPU. Row
+   chunks are multiples of 16 rows so a chunk is skipped only where the whole weight is; whenever a
+   chunk's result differs in kind from the first chunk's (plain vs subclass, another type or
+   metadata) the whole weight is quantized at once instead, so the result is always torchao's
+   result for the whole weight.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +37,17 @@ from torch import nn
 from layerwise.kernels.reference import CHUNK_NUMEL
 from layerwise.optional import import_optional
 from layerwise.quant.base import QuantMethod, check_finite
+
+logger = logging.getLogger(__name__)
+
+#: torchao tensor subclasses whose inner tensors are [N, ...] arrays indexed by weight row (Limitations 1)
+ROW_LOCAL_TYPES = ("Float8Tensor", "Int8Tensor", "IntxUnpackedToInt8Tensor")
+#: row chunks are multiples of this many rows: torchao's float8 configs skip a weight whose dimensions
+#: are not multiples of 16 (torchao.quantization.utils._fp8_mm_compat), so an aligned chunk is
+#: skipped exactly when the whole weight is
+ROW_ALIGN = 16
+#: default elements per row chunk (torchao makes a few float32 copies of a chunk: 1 MiB each)
+DEFAULT_CHUNK_NUMEL = CHUNK_NUMEL // 4
 
 
 def torchao_config(name: str):
@@ -36,65 +66,107 @@ def torchao_config(name: str):
     return getattr(tq, match)()
 
 
+def quantize_whole(weight: torch.Tensor, config) -> torch.Tensor:
+    """torchao's ``quantize_(config)`` applied to an ``nn.Linear`` holding ``weight`` [N, K]: the
+    torchao tensor subclass, or a plain tensor where torchao leaves the weight as it is."""
+    from torchao.quantization import quantize_
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    quantize_(linear, config)
+    quantized = linear.weight.data
+    # quantize_ leaves the module in a reference cycle (a bound method in a partial), which would
+    # keep both the BF16 input and the result alive until the next garbage collection
+    linear._parameters.clear()
+    return quantized
+
+
+def _row_layout(t: torch.Tensor, rows: int):
+    """(type, inner tensor names, flatten context) of a quantized [rows, K] chunk whose inner tensors
+    are split by weight row (Limitations 1), else None."""
+    if type(t).__name__ not in ROW_LOCAL_TYPES or not hasattr(t, "__tensor_flatten__"):
+        return None
+    names, ctx = t.__tensor_flatten__()
+    block_size = list(ctx.get("block_size", ())) if isinstance(ctx, dict) else []
+    if len(block_size) != 2 or block_size[0] != 1 or t.dim() != 2:
+        return None
+    if not all(getattr(t, n).dim() >= 1 and getattr(t, n).shape[0] == rows for n in names):
+        return None
+    return type(t), list(names), ctx
+
+
 class TorchaoLinearMethod(QuantMethod):
     """Applies a torchao config to one Linear weight at a time.
 
     Args:
         config_name: class name in ``torchao.quantization``, e.g. "Float8WeightOnlyConfig",
-            "Int8WeightOnlyConfig".
+            "Int8WeightOnlyConfig" (default arguments), or a config instance, e.g.
+            ``Float8WeightOnlyConfig(granularity=PerTensor())``.
+        chunk_numel: at most this many weight elements are quantized at a time (rounded to whole
+            multiples of ``ROW_ALIGN`` rows, at least ``ROW_ALIGN`` rows, at most N / 8 rows);
+            a weight of at most one chunk of rows is quantized whole (see :meth:`quantize_rows`).
+    Raises:
+        MissingDependencyError / ValueError: as :func:`torchao_config`.
     """
 
-    def __init__(self, config_name: str):
-        self.config = torchao_config(config_name)
+    def __init__(self, config_name, *, chunk_numel: int = DEFAULT_CHUNK_NUMEL):
+        self.config = torchao_config(config_name) if isinstance(config_name, str) else config_name
         self.name = f"torchao:{type(self.config).__name__}"
+        self.chunk_numel = chunk_numel
+        # later chunks need not set torchao's recommended Inductor options again (the first one did)
+        fields = {f.name for f in dataclasses.fields(self.config)} if dataclasses.is_dataclass(self.config) else ()
+        self._chunk_config = (
+            dataclasses.replace(self.config, set_inductor_config=False)
+            if "set_inductor_config" in fields
+            else self.config
+        )
 
-    def _quantize(self, weight: torch.Tensor) -> torch.Tensor:
-        from torchao.quantization import quantize_
-
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        quantize_(linear, self.config)
-        quantized = linear.weight.data
-        # quantize_ leaves the module in a reference cycle (a bound method in a partial), which would
-        # keep both the BF16 input and the result alive until the next garbage collection
-        linear._parameters.clear()
-        return quantized
+    def _chunk_rows(self, n: int, k: int) -> int:
+        """Rows per chunk: at most chunk_numel elements and N / 8 rows, a multiple of ROW_ALIGN."""
+        rows = min(self.chunk_numel // max(1, k), -(-n // 8))
+        return max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
 
     def quantize_rows(self, weight: torch.Tensor) -> torch.Tensor:
-        """Quantize a [N, K] weight in row chunks (at most N / 8 rows and CHUNK_NUMEL / 4 elements).
+        """torchao's quantization of ``weight`` [N, K] (``quantize_`` on an ``nn.Linear`` holding it), computed
+        in row chunks where that gives the same bytes (see the module's Limitations).
 
-        torchao's quantize_ makes float32 temporaries of the whole weight (measured: peak 3.4x a
-        layer above the model for Float8WeightOnlyConfig). For row-wise configs (block_size
-        [1, K], every inner tensor split by rows: Float8WeightOnly, Int8WeightOnly) the chunks'
-        inner tensors are written into full-size buffers and the subclass is rebuilt with
-        ``__tensor_unflatten__``; the result is byte-identical to quantizing the whole weight.
-        Other configs are quantized whole.
+        Returns:
+            the torchao tensor subclass [N, K] (e.g. Float8Tensor: qdata float8 [N, K], scale float32 [N, 1]),
+            or a plain tensor where torchao leaves the weight unquantized (logged as a warning).
         """
         n, k = weight.shape
-        # torchao makes several float32 copies of what it quantizes: keep a chunk at most 1/8 of the
-        # weight and at most CHUNK_NUMEL / 4 elements
-        rows = max(1, min(CHUNK_NUMEL // 4 // max(1, k), -(-n // 8)))
+        rows = self._chunk_rows(n, k)
         if n <= rows:
             return self._quantize(weight)
-        first = self._quantize(weight[:rows])
-        names, ctx = first.__tensor_flatten__()
-        inner_first = {name: getattr(first, name) for name in names}
-        row_wise = (
-            isinstance(ctx, dict)
-            and list(ctx.get("block_size", [])) == [1, k]
-            and all(t.dim() >= 1 and t.shape[0] == rows for t in inner_first.values())
-        )
-        if not row_wise:
+        first = quantize_whole(weight[:rows], self.config)
+        layout = _row_layout(first, rows)
+        if layout is None:  # plain, per-tensor, or a type not known to be row-local: quantize_ it whole
+            del first
             return self._quantize(weight)
-        inner = {name: t.new_empty((n, *t.shape[1:])) for name, t in inner_first.items()}
-        for name, t in inner_first.items():
-            inner[name][:rows].copy_(t)
-        del first, inner_first
+        cls, names, ctx = layout
+        inner = {name: getattr(first, name).new_empty((n, *getattr(first, name).shape[1:])) for name in names}
+        for name in names:
+            inner[name][:rows].copy_(getattr(first, name))
+        del first
         for r0 in range(rows, n, rows):
-            part = self._quantize(weight[r0 : r0 + rows])
+            r1 = min(r0 + rows, n)
+            part = quantize_whole(weight[r0:r1], self._chunk_config)
+            if _row_layout(part, r1 - r0) != layout:  # Limitations 2: not the kind of the first chunk
+                del part, inner
+                return self._quantize(weight)
             for name in names:
-                inner[name][r0 : r0 + rows].copy_(getattr(part, name))
-        return type(part).__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
+                inner[name][r0:r1].copy_(getattr(part, name))
+            del part
+        return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
+
+    def _quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        """The whole ``weight`` [N, K] through :func:`quantize_whole`; a weight torchao leaves plain is logged."""
+        quantized = quantize_whole(weight, self.config)
+        if not hasattr(quantized, "__tensor_flatten__"):
+            logger.warning(
+                "%s left a weight of shape %s unquantized (%s)", self.name, tuple(weight.shape), quantized.dtype
+            )
+        return quantized
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         check_finite(layer)

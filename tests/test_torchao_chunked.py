@@ -1,0 +1,169 @@
+"""Row-chunked torchao quantization equals torchao's own ``quantize_`` of the whole nn.Linear, byte for byte."""
+
+import pytest
+import torch
+from torch import nn
+
+import layerwise.quant.torchao as quant_torchao
+from layerwise.quant.torchao import ROW_ALIGN, TorchaoLinearMethod
+
+tq = pytest.importorskip("torchao.quantization")
+
+# every config quant/torchao.py chunks or the README lists that runs on CPU with torchao 0.18
+CPU_CONFIGS = [
+    "Float8WeightOnlyConfig",
+    "Int8WeightOnlyConfig",
+    "Int8DynamicActivationInt8WeightConfig",
+    "IntxWeightOnlyConfig",
+    "Int8DynamicActivationIntxWeightConfig",
+]
+K = 96
+CHUNK_NUMEL = 2 * ROW_ALIGN * K  # 32-row chunks
+
+
+def reference(weight: torch.Tensor, config) -> torch.Tensor:
+    """torchao's quantize_ on an nn.Linear holding ``weight``, written here independently of the module."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    tq.quantize_(linear, config)
+    return linear.weight.data
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert type(got) is type(want)
+    if not hasattr(want, "__tensor_flatten__"):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        return
+    names, ctx = want.__tensor_flatten__()
+    got_names, got_ctx = got.__tensor_flatten__()
+    assert got_names == names and got_ctx == ctx and got.shape == want.shape
+    for name in names:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), name
+    # bytes: torchao turns an all-zero row into NaN (0 / a zero scale) in float8, the same in both
+    assert torch.equal(got.dequantize().view(torch.uint8), want.dequantize().view(torch.uint8))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The row count of every quantize_whole call the method makes."""
+    seen = []
+    real = quant_torchao.quantize_whole
+
+    def spy(weight, config):
+        seen.append(weight.shape[0])
+        return real(weight, config)
+
+    monkeypatch.setattr(quant_torchao, "quantize_whole", spy)
+    return seen
+
+
+def weight(n: int, seed: int = 0, k: int = K) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n).unsqueeze(1)  # rows of different scales
+    w[3] = 0  # an all-zero row
+    return w.bfloat16()
+
+
+@pytest.mark.parametrize("name", CPU_CONFIGS)
+@pytest.mark.parametrize("n", [8 * 32, 8 * 32 + 24])  # whole chunks; a last chunk of 24 rows
+def test_row_chunks_equal_quantize_of_the_whole_linear(name, n, calls):
+    w = weight(n)
+    method = TorchaoLinearMethod(name, chunk_numel=CHUNK_NUMEL)
+    got = method.quantize_rows(w)
+    assert_same_bytes(got, reference(w, getattr(tq, name)()))
+    assert max(calls) <= 32 < n, calls  # it was chunked, and never quantized whole
+
+
+def test_per_tensor_scales_are_not_chunked(calls):
+    config = tq.Float8WeightOnlyConfig(granularity=tq.PerTensor())
+    w = weight(8 * 32)
+    got = TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig(granularity=tq.PerTensor())))
+    assert got.scale.numel() == 1 and calls[-1] == 8 * 32
+
+
+def test_group_scales_are_chunked(calls):
+    config = tq.Int8WeightOnlyConfig(granularity=tq.PerGroup(32))
+    w = weight(8 * 32)
+    got = TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Int8WeightOnlyConfig(granularity=tq.PerGroup(32))))
+    assert got.scale.shape == (8 * 32, K // 32) and max(calls) == 32
+
+
+def test_a_weight_of_one_chunk_is_quantized_whole(calls):
+    w = weight(ROW_ALIGN)
+    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig()))
+    assert calls == [ROW_ALIGN]
+
+
+def skips_rows_not_multiple_of_16(real):
+    """Like torchao's float8 dynamic-activation configs (torchao.quantization.utils._fp8_mm_compat): a weight
+    whose dimensions are not multiples of 16 is returned unquantized."""
+
+    def quantize(weight, config):
+        return weight if weight.shape[0] % 16 or weight.shape[1] % 16 else real(weight, config)
+
+    return quantize
+
+
+@pytest.mark.parametrize("n", [8 * 32, 8 * 32 + 16, 8 * 32 + 8, 18 * 8])
+def test_plain_and_mixed_chunk_results_give_torchaos_whole_result(monkeypatch, n):
+    """The crash of issue 14: torchao returned a plain tensor for a chunk (first, later or last)."""
+    fake = skips_rows_not_multiple_of_16(quant_torchao.quantize_whole)
+    monkeypatch.setattr(quant_torchao, "quantize_whole", fake)
+    w = weight(n)
+    # 18 rows per chunk asked for: chunks are rounded to 16 rows, so no chunk is skipped where the whole
+    # weight is not (before the fix a first chunk of 18 rows came back plain and crashed)
+    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=18 * K).quantize_rows(w)
+    want = w if n % 16 else reference(w, tq.Float8WeightOnlyConfig())
+    assert_same_bytes(got, want)
+
+
+def test_a_plain_first_chunk_gives_the_plain_weight(monkeypatch):
+    monkeypatch.setattr(quant_torchao, "quantize_whole", skips_rows_not_multiple_of_16(quant_torchao.quantize_whole))
+    w = weight(8 * 32, k=100)
+    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert got is w
+
+
+def test_a_later_plain_chunk_sends_the_weight_back_whole(monkeypatch):
+    real = quant_torchao.quantize_whole
+
+    def third_chunk_plain(weight, config):
+        return weight.clone() if weight.data_ptr() == w[64:].data_ptr() else real(weight, config)
+
+    monkeypatch.setattr(quant_torchao, "quantize_whole", third_chunk_plain)
+    w = weight(8 * 32)
+    got = TorchaoLinearMethod("Int8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Int8WeightOnlyConfig()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (float8 dynamic activation: sm89+)")
+@pytest.mark.parametrize(
+    "granularity", [None, "row"], ids=["default-per-tensor", "per-row"]
+)  # Float8DynamicActivationFloat8WeightConfig's default is PerTensor
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (28672, 4096), (4100, 4096)])
+def test_float8_dynamic_activation_on_llama_8b_shapes(granularity, shape):
+    def config():
+        if granularity is None:
+            return tq.Float8DynamicActivationFloat8WeightConfig()
+        return tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow())
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(shape, generator=g, device="cuda") * 0.02).bfloat16()
+    got = TorchaoLinearMethod(config()).quantize_rows(w)
+    assert_same_bytes(got, reference(w, config()))
+    assert hasattr(got, "__tensor_flatten__") == (shape[0] % 16 == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["Float8WeightOnlyConfig", "Int8WeightOnlyConfig"])
+def test_row_chunks_on_cuda_llama_8b_down_proj(name):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(4096, 14336, generator=g, device="cuda") * 0.02).bfloat16()
+    assert_same_bytes(TorchaoLinearMethod(name).quantize_rows(w), reference(w, getattr(tq, name)()))
