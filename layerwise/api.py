@@ -43,6 +43,12 @@ class LoadReport:
         bytes_read: checkpoint payload bytes this process read (under tensor parallelism: its slices of
             the sharded tensors plus the whole replicated ones, about checkpoint_bytes / tp_size).
         tp_rank / tp_size: this process's place in the tensor-parallel group (0 / 1 without one).
+        largest_unit_bytes: the most checkpoint-dtype bytes the load materialized on the device at once:
+            one whole module (qkv_proj, gate_up_proj, ...) or, in a mixture-of-experts layer, one
+            processing unit (one expert's fused gate+up, or its down). With FP8, peak_bytes - model_bytes
+            is about this plus the quantization's float32 work buffer (at most 4 MiB; for an expert, about
+            5/8 of the expert's checkpoint-dtype bytes).
+        unit_bytes_by_layer: the same figure per load group ("layers.3", "embed_tokens", "lm_head", ...).
     """
 
     architecture: str
@@ -62,6 +68,8 @@ class LoadReport:
     bytes_read: int = 0
     tp_rank: int = 0
     tp_size: int = 1
+    largest_unit_bytes: int = 0
+    unit_bytes_by_layer: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list, repr=False)
 
     @property
@@ -187,9 +195,19 @@ def load_model_with_report(
         bytes_read=ckpt.bytes_read,
         tp_rank=tp.rank,
         tp_size=tp.size,
+        largest_unit_bytes=max(session.unit_bytes.values(), default=0),
+        unit_bytes_by_layer=_unit_bytes_by_layer(session.unit_bytes),
         timeline=tracker.timeline if track_memory else [],
     )
     return model, report
+
+
+def _unit_bytes_by_layer(unit_bytes: dict[str, int]) -> dict[str, int]:
+    by_layer: dict[str, int] = {}
+    for prefix, nbytes in unit_bytes.items():
+        group = group_name(prefix + ".weight")
+        by_layer[group] = max(by_layer.get(group, 0), nbytes)
+    return by_layer
 
 
 def load_model(
@@ -267,6 +285,8 @@ def _open_weights(model: nn.Module, weights: Weights, lazy: bool):
             "num_key_value_heads",
             "vocab_size",
             "head_dim",
+            "num_experts",
+            "moe_intermediate_size",
         ):
             if getattr(config, name) != getattr(own, name):
                 raise WeightShapeError(

@@ -18,8 +18,15 @@ class ModelConfig:
     (``rope_parameters``) and the older one (``rope_theta`` + ``rope_scaling``).
 
     ``sliding_window`` and ``partial_rotary_factor`` are parsed for every architecture but used only
-    by the attention classes that declare them (Mistral, Phi-3); ``use_sliding_window: false``
-    (Qwen2/Qwen3 configs) parses as None.
+    by the attention classes that declare them (Mistral, Phi-3, Mixtral, Qwen3-MoE);
+    ``use_sliding_window: false`` (Qwen2/Qwen3 configs) parses as None.
+
+    Mixture of experts (0 experts: a dense model): ``num_experts`` (Qwen3-MoE ``num_experts``,
+    Mixtral ``num_local_experts``), ``num_experts_per_tok`` (k), ``moe_intermediate_size`` (I per
+    expert; Mixtral's experts use ``intermediate_size``), ``decoder_sparse_step`` and
+    ``mlp_only_layers`` (Qwen3-MoE: which decoder layers are dense), ``norm_topk_prob`` (Qwen3-MoE
+    renormalizes the top-k weights only when set; Mixtral always does). ``router_jitter_noise`` is a
+    training-time option and is ignored.
     """
 
     architectures: list
@@ -39,6 +46,12 @@ class ModelConfig:
     sliding_window: int | None = None
     partial_rotary_factor: float = 1.0
     dtype: torch.dtype | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    norm_topk_prob: bool = False
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -73,5 +86,20 @@ class ModelConfig:
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
             partial_rotary_factor=float(partial_rotary_factor if partial_rotary_factor is not None else 1.0),
             dtype=DTYPES.get(dtype_name.lower()) if isinstance(dtype_name, str) else None,
+            num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+            decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+            mlp_only_layers=list(d.get("mlp_only_layers") or []),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             raw=d,
+        )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has a sparse MoE block, by transformers' Qwen3-MoE rule:
+        not listed in ``mlp_only_layers``, ``num_experts > 0`` and ``(layer_idx + 1) % decoder_sparse_step == 0``."""
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
         )

@@ -8,16 +8,20 @@ from layerwise.config import ModelConfig
 from layerwise.errors import UnsupportedArchitectureError
 from layerwise.models.llama import LlamaForCausalLM
 from layerwise.models.mistral import MistralForCausalLM
+from layerwise.models.mixtral import MixtralForCausalLM
 from layerwise.models.phi3 import Phi3ForCausalLM
 from layerwise.models.qwen2 import Qwen2ForCausalLM
 from layerwise.models.qwen3 import Qwen3ForCausalLM
+from layerwise.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

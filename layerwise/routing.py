@@ -3,6 +3,9 @@
 ``load_weights(module, weights)`` splits each key on dots and descends through ``named_children``.
 When a component names no child, the children's ``checkpoint_shards`` are consulted: a fused layer
 (qkv_proj, gate_up_proj) declares the checkpoint module names it absorbs and the shard_id of each.
+A module with a ``checkpoint_param(rest) -> (param_name, shard_id)`` method owns the rest of the key
+instead (``FusedMoE``: "3.up_proj.weight" -> ("w13_weight", (3, "w3")); it raises
+UnexpectedWeightError for a name it does not take).
 The last component names a parameter, whose own ``weight_loader(param, tensor, shard_id)`` writes
 it; inside a layerwise session the loader is ``online_process_loader``'s wrapper and the checkpoint
 key travels with the call (``key=``), for error messages and the per-module buffers.
@@ -20,30 +23,39 @@ from layerwise.errors import DuplicateWeightError, LayerwiseError, UnexpectedWei
 from layerwise.reload.session import get_layerwise_info
 
 
-def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_id=None) -> None:
-    head, _, rest = name.partition(".")
-    if not rest:
-        param = module._parameters.get(head)
-        if param is None:
-            raise UnexpectedWeightError(f"{type(module).__name__} has no parameter {head!r}", key=key)
-        loader = getattr(param, "weight_loader", None)
-        if loader is None:
-            info = get_layerwise_info(module)
-            if info is not None and info.done:  # processed earlier in this load/reload session
-                raise DuplicateWeightError(
-                    f"module {info.prefix} was already loaded in this session; {info.prefix}.{head} is written again",
-                    key=key,
-                )
-            raise UnexpectedWeightError(
-                f"parameter {head!r} of {type(module).__name__} is in kernel format; reload with "
-                f"layerwise.reload_weights instead of calling load_weights directly",
+def _load_param(module: nn.Module, param_name: str, tensor: torch.Tensor, key: str, shard_id=None) -> None:
+    """Call the weight_loader of ``module.<param_name>`` (the session's wrapper inside a session)."""
+    param = module._parameters.get(param_name)
+    if param is None:
+        raise UnexpectedWeightError(f"{type(module).__name__} has no parameter {param_name!r}", key=key)
+    loader = getattr(param, "weight_loader", None)
+    info = get_layerwise_info(module)
+    if loader is None:
+        if info is not None and info.done:  # processed earlier in this load/reload session
+            raise DuplicateWeightError(
+                f"module {info.prefix} was already loaded in this session; {info.prefix}.{param_name} is written again",
                 key=key,
             )
-        info = get_layerwise_info(module)
-        if info is not None and info.session is not None:  # online_process_loader: buffers with the key
-            loader(param, tensor, shard_id, key=key)
-        else:  # a plain weight_loader (a model built on a real device, outside any session)
-            loader(param, tensor, shard_id)
+        raise UnexpectedWeightError(
+            f"parameter {param_name!r} of {type(module).__name__} is in kernel format; reload with "
+            f"layerwise.reload_weights instead of calling load_weights directly",
+            key=key,
+        )
+    if info is not None and info.session is not None:  # online_process_loader: buffers with the key
+        loader(param, tensor, shard_id, key=key)
+    else:  # a plain weight_loader (a model built on a real device, outside any session)
+        loader(param, tensor, shard_id)
+
+
+def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_id=None) -> None:
+    resolve = getattr(module, "checkpoint_param", None)
+    if resolve is not None:  # the module resolves the rest of the key itself (FusedMoE: expert, projection)
+        param_name, shard_id = resolve(name)
+        _load_param(module, param_name, tensor, key, shard_id)
+        return
+    head, _, rest = name.partition(".")
+    if not rest:
+        _load_param(module, head, tensor, key, shard_id)
         return
     child = module._modules.get(head)
     if child is not None:

@@ -20,10 +20,11 @@ def hf_config(
     tie: bool | None = None,
     **overrides,
 ):
-    """A tiny transformers config of ``arch``; ``overrides`` (Mistral and Phi3 only) replace its fields."""
+    """A tiny transformers config of ``arch``; ``overrides`` (Mistral, Phi3 and the MoE architectures only)
+    replace its fields."""
     import transformers
 
-    if overrides and arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if overrides and arch not in MOE_ARCHS + ("MistralForCausalLM", "Phi3ForCausalLM"):
         raise ValueError(f"config overrides are implemented for Mistral and Phi3 only, not {arch}")
     common = dict(
         hidden_size=hidden,
@@ -83,7 +84,37 @@ def hf_config(
                 **overrides,
             }
         )
+    moe = dict(num_experts_per_tok=2, tie_word_embeddings=bool(tie))
+    if arch == "Qwen3MoeForCausalLM":  # 8 experts, top-2; layer 0 dense (mlp_only_layers)
+        return transformers.Qwen3MoeConfig(
+            **{
+                **common,
+                **moe,
+                "intermediate_size": 48,
+                "moe_intermediate_size": 32,
+                "num_experts": 8,
+                "mlp_only_layers": [0],
+                "norm_topk_prob": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                **overrides,
+            }
+        )
+    if arch == "MixtralForCausalLM":  # 8 experts of intermediate_size, top-2, a window of 8
+        return transformers.MixtralConfig(
+            **{
+                **common,
+                **moe,
+                "intermediate_size": 32,
+                "num_local_experts": 8,
+                "sliding_window": 8,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                **overrides,
+            }
+        )
     raise ValueError(arch)
+
+
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 def write_hf_checkpoint(
@@ -104,6 +135,8 @@ def write_hf_checkpoint(
                 p.normal_(1.0, 0.2)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):  # a wider router, so that the top-k choice is clear-cut
+                p.normal_(0.0, 1.0)
             elif outlier_rows and "layers." in name and name.endswith("proj.weight"):
                 p[len(name) % p.shape[0]] *= 50
     model.to(torch.bfloat16).save_pretrained(path, max_shard_size=max_shard_size)

@@ -13,6 +13,14 @@ embed_tokens) and keeps *decoder layer* for the repeated block.
     finalize_layerwise_reload(model)          untouched modules get their kernel tensors back;
                                               incomplete modules are an error naming the parameters
 
+Unit-wise modules (``FusedMoE``) are processed one *unit* at a time instead of whole (Limitations 9):
+a module with ``processing_unit(param_name, shard_id) -> (param_name, i)`` declares that each load
+writes only ``param[i]``. Loads are counted and buffered per unit; a complete unit alone is
+materialized ([2I, H] for an expert's w13), its loads replayed into it, and
+``quant_method.process_expert`` writes it into its slice of the layer's kernel-format tensors, which
+are allocated once, at the first unit (on a reload they are the live kernel tensors; atomic: a staged
+copy). The module is done when all its units are.
+
 :func:`layerwise_session` wraps initialize / finalize-or-abort for load, reload and weight sync.
 Where this goes beyond vLLM, and what it does not do, is listed in ``layerwise/reload/__init__.py``.
 """
@@ -20,7 +28,7 @@ Where this goes beyond vLLM, and what it does not do, is listed in ``layerwise/r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from torch import nn
@@ -31,7 +39,14 @@ from layerwise.quant.base import check_finite
 from layerwise.quant.parameters import ModelWeightParameter
 from layerwise.reload.counting import record_loader_writes, written_numel
 from layerwise.reload.meta import layer_tensors, materialize_layer, restore_layer_on_meta, set_layer_tensors
-from layerwise.reload.types import BufferedLoad, LayerReloadingInfo, ReloadSession, coverage
+from layerwise.reload.types import (
+    BufferedLoad,
+    LayerReloadingInfo,
+    ReloadSession,
+    UnitState,
+    coverage,
+    unwritten_in_range,
+)
 
 # The state lives on the modules themselves, never in a module-level registry: an info holds its
 # module's bound weight loaders, so a registry keyed by the module (even a WeakKeyDictionary) would
@@ -62,6 +77,10 @@ def _modules(model: nn.Module):
             yield prefix, module, info
 
 
+def _unitwise(module: nn.Module) -> bool:
+    return callable(getattr(module, "processing_unit", None))
+
+
 def record_metadata_for_reloading(model: nn.Module) -> None:
     """Record, for every module with direct parameters, its checkpoint-format meta parameters.
 
@@ -85,6 +104,7 @@ def record_metadata_for_reloading(model: nn.Module) -> None:
             restore_metadata=params,
             weight_loaders={n: p.weight_loader for n, p in params.items()},
             load_numel_total=sum(p.numel() for p in params.values()),
+            unit_numel={n: p.shape[1:].numel() for n, p in params.items()} if _unitwise(module) else {},
         )
         info.reset()
         module.__dict__[_INFO_ATTR] = info
@@ -153,6 +173,9 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
                 key=key,
             )
         writes = record_loader_writes(original, meta_param, loaded_weight, shard_id)
+        if info.unit_numel:  # Limitations 9: counted, buffered and processed per unit
+            _load_unit(module, info, param_name, writes, BufferedLoad(param_name, loaded_weight, shard_id, key))
+            return
         numel = written_numel(writes)
         completes = info.load_numel + numel >= info.load_numel_total
         if not completes and loaded_weight.device.type != "cpu":  # Limitations 2: buffers stay on CPU
@@ -168,6 +191,113 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
     return loader
 
 
+def _unit_name(info: LayerReloadingInfo, unit: Hashable) -> str:
+    param_name, index = unit
+    return f"{info.prefix}.{param_name}[{index}]"
+
+
+def _load_unit(module: nn.Module, info: LayerReloadingInfo, param_name: str, writes: list, load: BufferedLoad) -> None:
+    """Count and buffer one load of a unit-wise module; process its unit once the unit is complete."""
+    session = info.session
+    unit = module.processing_unit(param_name, load.shard_id)
+    index, n = unit[1], info.unit_numel[param_name]
+    first = index * n
+    relative = []
+    for starts, length in writes:
+        if len(starts) and (int(starts.min()) < first or int(starts.max()) + length > first + n):
+            raise LayerwiseError(f"a load declared for {_unit_name(info, unit)} writes outside it", key=load.key)
+        relative.append((starts - first, length))
+    state = info.units.setdefault(unit, UnitState())
+    if state.done:
+        raise DuplicateWeightError(
+            f"{_unit_name(info, unit)} was already loaded in this session and is written again", key=load.key
+        )
+    numel = written_numel(writes)
+    completes = state.load_numel + numel >= n
+    if not completes and load.loaded_weight.device.type != "cpu":  # Limitations 2: buffers stay on CPU
+        load.loaded_weight = load.loaded_weight.to("cpu")
+    state.loaded_weights.append(load)
+    state.writes.extend(relative)
+    state.load_numel += numel
+    info.load_numel += numel
+    session.buffered_bytes += load.loaded_weight.numel() * load.loaded_weight.element_size()
+    session.peak_buffered_bytes = max(session.peak_buffered_bytes, session.buffered_bytes)
+    if completes:
+        _process_unit(module, info, unit, state, load.key)
+
+
+def _unit_targets(module: nn.Module, info: LayerReloadingInfo) -> dict[str, torch.Tensor]:
+    """The kernel-format tensors units are written into, set up at the module's first unit."""
+    session = info.session
+    if not info.unit_targets:
+        if not info.kernel_tensors:  # first load: allocated once, on the device
+            info.unit_targets = module.quant_method.create_kernel_tensors(module, session.device)
+        elif session.atomic:  # a staged copy (the units not streamed keep their bytes), committed at finalize
+            info.unit_targets = info.staged = {n: t.detach().clone() for n, t in info.kernel_tensors.items()}
+        else:  # reload: the live kernel tensors themselves, written expert by expert
+            info.unit_targets = info.kernel_tensors
+    return info.unit_targets
+
+
+def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, state: UnitState, key) -> None:
+    """Materialize one unit -> replay its loads -> process_expert into the kernel tensors -> free it."""
+    session = info.session
+    param_name, index = unit
+    unwritten, twice = coverage(state.writes, info.unit_numel[param_name])
+    if twice:  # Limitations 1
+        raise DuplicateWeightError(
+            f"double write: {_unit_name(info, unit)} ({twice} elements written more than once)", key=key
+        )
+    if unwritten:  # the count reached the total without doubles: cannot happen
+        raise MissingWeightError(f"incomplete unit {_unit_name(info, unit)} ({unwritten} elements)", key=key)
+    targets = _unit_targets(module, info)
+    meta = info.restore_metadata[param_name]
+    weight = torch.empty(meta.shape[1:], dtype=meta.dtype, device=session.device)
+    # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
+    # own loader, which writes only param[index] (checked above on meta), fills it
+    as_param = weight.unsqueeze(0).expand(meta.shape)
+    for buffered in state.loaded_weights:
+        info.weight_loaders[param_name](as_param, buffered.loaded_weight, buffered.shard_id)
+    try:
+        module.quant_method.process_expert(module, param_name, index, weight, targets)
+    except NonFiniteWeightError as e:
+        raise NonFiniteWeightError(
+            f"non-finite value (NaN or Inf) in {_unit_name(info, unit)}: {e.message}",
+            key=_find_non_finite_key(state.loaded_weights),
+        ) from e
+    nbytes = weight.numel() * weight.element_size()
+    session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
+    del weight, as_param
+    session.buffered_bytes -= _buffered_bytes(state.loaded_weights)
+    state.loaded_weights = []
+    state.done = True
+    info.units_done += 1
+    if info.units_done == len(module.processing_units()):
+        info.done = True
+        session.processed.append(info.prefix)
+        if not (session.atomic and info.kernel_tensors):  # an atomic reload commits the staged copy at finalize
+            set_layer_tensors(module, targets)
+
+
+def _unit_problems(module: nn.Module, info: LayerReloadingInfo, first_load: bool) -> list[str]:
+    """What a unit-wise module lacks at finalize, named by checkpoint key: every unit on a first load,
+    on a reload only the units that received some of their elements (Limitations 3)."""
+    problems = []
+    for unit in module.processing_units():
+        state = info.units.get(unit)
+        if state is not None and state.done or state is None and not first_load:
+            continue
+        writes = state.writes if state is not None else []
+        for name, start, stop in module.unit_checkpoint_names(unit):
+            unwritten = unwritten_in_range(writes, start, stop)
+            if unwritten:
+                problems.append(f"{info.prefix}.{name} ({unwritten} of {stop - start} elements never written)")
+        twice = coverage(writes, info.unit_numel[unit[0]])[1]
+        if twice:
+            problems.append(f"{_unit_name(info, unit)} ({twice} elements written more than once)")
+    return problems
+
+
 def _coverage_problems(info: LayerReloadingInfo) -> tuple[list[str], list[str]]:
     missing, doubled = [], []
     for name, meta in info.restore_metadata.items():
@@ -179,8 +309,12 @@ def _coverage_problems(info: LayerReloadingInfo) -> tuple[list[str], list[str]]:
     return missing, doubled
 
 
-def _find_non_finite_key(info: LayerReloadingInfo) -> str | None:
-    for buffered in info.loaded_weights:
+def _buffered_bytes(loads: list[BufferedLoad]) -> int:
+    return sum(b.loaded_weight.numel() * b.loaded_weight.element_size() for b in loads)
+
+
+def _find_non_finite_key(loads: list[BufferedLoad]) -> str | None:
+    for buffered in loads:
         w = buffered.loaded_weight
         if has_non_finite(w if isinstance(w, torch.Tensor) else w.materialize()):  # a LazyTensor: read it
             return buffered.key
@@ -197,6 +331,8 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
     if missing:  # load_numel reached the total although regions are missing: cannot happen without doubles
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
     materialize_layer(module, info, session.device)
+    nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
+    session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
     for buffered in info.loaded_weights:
         info.weight_loaders[buffered.param_name](
             module._parameters[buffered.param_name], buffered.loaded_weight, buffered.shard_id
@@ -210,7 +346,8 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
     except NonFiniteWeightError as e:
         restore_layer_on_meta(module, info)
         raise NonFiniteWeightError(
-            f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}", key=_find_non_finite_key(info)
+            f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
+            key=_find_non_finite_key(info.loaded_weights),
         ) from e
     processed = layer_tensors(module)
     if info.kernel_tensors:
@@ -272,7 +409,7 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     for prefix, module in session.modules.items():
         info = get_layerwise_info(module)
         if info.kernel_tensors:
-            if info.done and not session.atomic:
+            if (info.done or info.units_done) and not session.atomic:  # units: written into the kernel tensors
                 updated.append(prefix)
             set_layer_tensors(module, info.kernel_tensors)
         _close(info)
@@ -298,6 +435,9 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         info = get_layerwise_info(module)
         if info.done:
             continue
+        if info.unit_numel:
+            problems.extend(_unit_problems(module, info, session.first_load))
+            continue
         if info.load_numel or session.first_load:  # Limitations 3: absent modules are kept on a reload
             missing, doubled = _coverage_problems(info)
             problems.extend(doubled + missing)
@@ -306,8 +446,10 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         if session.first_load:
             raise MissingWeightError("checkpoint does not provide: " + "; ".join(problems))
         raise _MissingOnReload("reload incomplete: " + "; ".join(problems), updated_modules=updated)
-    for module in session.modules.values():
+    for prefix, module in session.modules.items():
         info = get_layerwise_info(module)
+        if info.units_done and not info.done:  # Limitations 9: a partial reload of a unit-wise module
+            session.processed.append(prefix)
         if info.staged:
             _commit(module, info, info.staged)
         elif info.kernel_tensors and not info.done:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,23 @@ class BufferedLoad:
 
 
 @dataclass
+class UnitState:
+    """Loads of one processing unit of a unit-wise module (``FusedMoE``: expert e's w13 or w2).
+
+    Attributes:
+        load_numel: elements written so far (counted on the meta device).
+        writes: flat [start, stop) element intervals written so far, relative to the unit's first element.
+        loaded_weights: buffered loader calls, replayed into the unit once it is complete.
+        done: the unit was processed (written into the kernel-format tensors) in this session.
+    """
+
+    load_numel: int = 0
+    writes: list = field(default_factory=list)
+    loaded_weights: list[BufferedLoad] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
 class LayerReloadingInfo:
     """State of one module with parameters of its own (vLLM's "layer") across a load or reload.
 
@@ -43,6 +60,12 @@ class LayerReloadingInfo:
             storage a reload writes into (empty during the first load).
         staged: processed values waiting for an atomic reload to commit them.
         done: the module was completed and processed in the current session.
+        unit_numel: for a unit-wise module (one with ``processing_unit``, e.g. FusedMoE), the elements of
+            one unit of each parameter: a unit (param_name, i) is ``param[i]``. Empty for other modules.
+        units: unit -> its UnitState in this session (unit-wise modules; written by online_process_loader).
+        unit_targets: the kernel-format tensors the units are processed into, set at the first unit:
+            fresh on a first load, the kernel tensors themselves on a reload, a staged copy when atomic.
+        units_done: units processed in this session.
     """
 
     prefix: str
@@ -55,6 +78,10 @@ class LayerReloadingInfo:
     kernel_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     done: bool = False
+    unit_numel: dict[str, int] = field(default_factory=dict)
+    units: dict[Hashable, UnitState] = field(default_factory=dict)
+    unit_targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    units_done: int = 0
     session: ReloadSession | None = None
 
     def reset(self) -> None:
@@ -64,6 +91,9 @@ class LayerReloadingInfo:
         self.loaded_weights = []
         self.staged = {}
         self.done = False
+        self.units = {}
+        self.unit_targets = {}
+        self.units_done = 0
 
 
 @dataclass
@@ -81,6 +111,9 @@ class ReloadSession:
         buffered_bytes / peak_buffered_bytes: bytes of checkpoint tensors held in buffers (on CPU)
             by incomplete modules, now and at most during this session (memory-mapped views count,
             though they cost only page cache).
+        unit_bytes: module prefix -> the most checkpoint-format bytes materialized at once on the device
+            for it: the whole module, or, for a unit-wise module, its largest processing unit (one
+            expert's w13). The session's transient device memory is about the largest of these.
     """
 
     device: torch.device
@@ -91,6 +124,7 @@ class ReloadSession:
     updated_before_abort: list[str] = field(default_factory=list)
     buffered_bytes: int = 0
     peak_buffered_bytes: int = 0
+    unit_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def intervals_of_view(offset: int, sizes: tuple, strides: tuple) -> tuple[np.ndarray, int]:
@@ -141,3 +175,14 @@ def coverage(writes: list, numel: int) -> tuple[int, int]:
     overlap = int(np.clip(prev_reach - starts, 0, stops - starts).sum())
     covered = written - overlap
     return numel - covered, overlap
+
+
+def unwritten_in_range(writes: list, start: int, stop: int) -> int:
+    """Elements of [start, stop) that no interval of ``writes`` ((starts, length) pairs) covers."""
+    clipped = []
+    for starts, length in writes:
+        lo = np.clip(starts, start, stop)
+        hi = np.clip(starts + length, start, stop)
+        keep = hi > lo
+        clipped.extend((np.array([a - start]), int(b - a)) for a, b in zip(lo[keep], hi[keep], strict=True))
+    return coverage(clipped, stop - start)[0]

@@ -1,0 +1,99 @@
+"""Qwen3-MoE (Qwen team, 2025; Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (per-head q/k
+RMSNorm) with sparse mixture-of-experts MLPs.
+
+Decoder layer i has a sparse block (``mlp.gate`` router [E, H] + ``mlp.experts.<e>.{gate,up,down}_proj``)
+unless i is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (transformers' rule), in
+which case it has Qwen3's dense MLP of ``intermediate_size``. Routing: softmax in float32, top
+``num_experts_per_tok``, renormalized only with ``norm_topk_prob``, weights cast back to the
+activation dtype (transformers' ``Qwen3MoeTopKRouter``). Sliding-window attention on every layer when
+``use_sliding_window`` is set, as transformers does. No tensor parallelism (TensorParallelError).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layerwise.config import ModelConfig
+from layerwise.distributed import NO_TP, TPContext
+from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, SparseMoeBlock
+from layerwise.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from layerwise.models.qwen3 import Qwen3Attention
+from layerwise.quant.config import QuantConfig
+from layerwise.quant.fp8_moe import moe_method_for
+
+
+class Qwen3MoeAttention(Qwen3Attention):
+    """Qwen3 attention; honours ``sliding_window`` (None unless config.json sets use_sliding_window)."""
+
+    uses_sliding_window = True
+
+
+def sparse_moe_block(
+    config: ModelConfig,
+    quant_config: QuantConfig,
+    dtype: torch.dtype,
+    prefix: str,
+    *,
+    renormalize: bool,
+    scores_in_logits_dtype: bool,
+    expert_shards,
+    tp: TPContext,
+) -> SparseMoeBlock:
+    """The MoE block of one decoder layer, its experts quantized as ``quant_config`` says.
+
+    Raises:
+        ValueError: a scheme with no MoE method (see :func:`layerwise.quant.fp8_moe.moe_method_for`).
+        TensorParallelError: ``tp`` has more than one rank.
+    """
+    return SparseMoeBlock(
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.hidden_size,
+        config.moe_intermediate_size,
+        renormalize=renormalize,
+        scores_in_logits_dtype=scores_in_logits_dtype,
+        quant_method=moe_method_for(quant_config.scheme, quant_config.kernel, quant_config.fp8_mode),
+        params_dtype=dtype,
+        expert_shards=expert_shards,
+        prefix=prefix,
+        tp=tp,
+    )
+
+
+class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
+    """Pre-norm decoder layer: attention, then a sparse MoE block (or, per the config, a dense MLP)."""
+
+    attention_cls = Qwen3MoeAttention
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefix: str,
+        *,
+        tp: TPContext = NO_TP,
+    ):
+        super().__init__(config, quant_config, dtype, device, prefix, tp=tp)  # builds the dense MLP (on meta)
+        if config.is_moe_layer(int(prefix.rsplit(".", 1)[1])):
+            self.mlp = sparse_moe_block(
+                config,
+                quant_config,
+                dtype,
+                f"{prefix}.mlp",
+                renormalize=config.norm_topk_prob,
+                scores_in_logits_dtype=True,
+                expert_shards=QWEN_EXPERT_SHARDS,
+                tp=tp,
+            )
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE decoder plus an LM head: int64 ids [B, T] -> logits [B, T, vocab] (see CausalLM.forward).
+
+    Raises:
+        TensorParallelError: built with a tensor-parallel group of more than one rank.
+    """
+
+    decoder_layer_cls = Qwen3MoeDecoderLayer

@@ -1,0 +1,148 @@
+"""Online FP8 (e4m3fn) for fused mixture-of-experts layers, one expert at a time.
+
+After loading, a ``FusedMoE`` layer holds ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] in
+float8_e4m3fn and float32 scales named as the dense scheme names them (``quant/fp8.py``), prefixed:
+
+=================  ==========================================  ==========================================
+scheme             w13 scale                                   w2 scale
+=================  ==========================================  ==========================================
+fp8-per-tensor     ``w13_weight_scale`` [E]: one per expert,   ``w2_weight_scale`` [E]
+                   amax over its gate AND up rows together
+fp8-per-channel    ``w13_weight_scale`` [E, 2I, 1]             ``w2_weight_scale`` [E, H, 1]
+fp8-per-block      ``w13_weight_scale_inv``                    ``w2_weight_scale_inv``
+                   [E, ceil(2I/128), ceil(H/128)]              [E, ceil(H/128), ceil(I/128)]
+=================  ==========================================  ==========================================
+
+Expert e's slice is exactly what the dense scheme makes of the [2I, H] (or [H, I]) matrix: the same
+kernels (``layerwise.kernels`` fp8_amax / scale_from_amax / fp8_quantize, with the scheme's kernel),
+so its bytes equal torch's own cast ``(w.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``. A
+per-block w13 is blocked as one [2I, H] matrix, so when I is not a multiple of 128 a block spans gate
+and up rows. The quantization runs in row chunks of about 1/8 of the expert (aligned to 128 rows for
+blocks), written straight into the expert's slice: the float32 work buffer and the FP8 temporary stay
+well below the expert's own checkpoint-dtype size.
+
+Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
+the expert's slice: W8A8 (``torch._scaled_mm``, activations quantized per tensor or per token) where
+the dense scheme would use it (mode "auto": CUDA sm89+; "w8a8": also CPU), else W8A16 (dequantize the
+expert, then matmul). Under CUDA-graph capture, W8A16 on gathered experts (``moe_base``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, fp8_amax, fp8_quantize, scale_from_amax
+from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
+from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
+
+MOE_SCHEMES = ("none", "fp8-per-tensor", "fp8-per-channel", "fp8-per-block")
+
+
+def expert_scale_shape(num_experts: int, n: int, k: int, granularity: str) -> tuple[int, ...]:
+    """Shape of the scale of an [E, N, K] expert weight: [E], [E, N, 1] or [E, ceil(N/128), ceil(K/128)]."""
+    if granularity == "tensor":
+        return (num_experts,)
+    if granularity == "channel":
+        return (num_experts, n, 1)
+    return (num_experts, -(-n // BLOCK_SIZE[0]), -(-k // BLOCK_SIZE[1]))
+
+
+def _row_chunks(n_rows: int, align: int, parts: int = 8):
+    per_part = -(-n_rows // parts)  # ceil
+    step = -(-per_part // align) * align  # rounded up to whole blocks of rows
+    for r0 in range(0, n_rows, step):
+        yield r0, min(r0 + step, n_rows)
+
+
+class Fp8MoEMethod(FusedMoEMethodBase):
+    """FP8 experts with one scale per expert, per expert row, or per 128 x 128 block of an expert.
+
+    Args:
+        granularity: "tensor", "channel" or "block".
+        kernel: "torch" or "triton" (quantize at load time, dequantize for W8A16).
+        mode: "auto", "w8a8" or "w8a16", as :class:`layerwise.quant.fp8.Fp8LinearMethod`.
+    Raises:
+        ValueError: unknown granularity or mode, or w8a8 with per-block scales.
+    """
+
+    def __init__(self, granularity: str = "tensor", kernel: str = "torch", mode: str = "auto"):
+        if granularity not in SCALE_NAMES:
+            raise ValueError(f"unknown granularity {granularity!r}; choose one of {tuple(SCALE_NAMES)}")
+        if mode not in FP8_MODES:
+            raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {FP8_MODES}")
+        self.granularity, self.kernel, self.mode = granularity, kernel, mode
+        self.name = f"fp8-per-{granularity}"
+        dense_scale = SCALE_NAMES[granularity]  # "weight_scale" / "weight_scale_inv"
+        self.scale_names = {p: p.replace("weight", dense_scale) for p in EXPERT_PARAMS}
+        # the dense method runs each expert's matmul (its W8A8 / W8A16 choice is cached per param: one shape each)
+        self._dense = {p: Fp8LinearMethod(granularity, kernel, mode) for p in EXPERT_PARAMS}
+
+    def create_kernel_tensors(self, layer: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
+        out = {}
+        for name in EXPERT_PARAMS:
+            e, n, k = getattr(layer, name).shape
+            out[name] = nn.Parameter(torch.empty(e, n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
+            scale = torch.empty(expert_scale_shape(e, n, k, self.granularity), dtype=torch.float32, device=device)
+            out[self.scale_names[name]] = nn.Parameter(scale, requires_grad=False)
+        return out
+
+    def process_expert(self, layer, param_name, expert_id, weight, kernel_tensors) -> None:
+        """Quantize ``weight`` [N, K] into ``kernel_tensors[param_name][expert_id]`` and its scale slice.
+
+        Raises:
+            NonFiniteWeightError: ``weight`` holds NaN or Inf (raised by the scale, before any write).
+        """
+        scale = scale_from_amax(fp8_amax(weight, self.granularity, self.kernel))  # [] / [N, 1] / [N/128, K/128]
+        q = kernel_tensors[param_name].data[expert_id]
+        align = BLOCK_SIZE[0] if self.granularity == "block" else 1
+        for r0, r1 in _row_chunks(weight.shape[0], align):
+            if self.granularity == "tensor":
+                rows_scale = scale
+            elif self.granularity == "channel":
+                rows_scale = scale[r0:r1]
+            else:
+                rows_scale = scale[r0 // align : -(-r1 // align)]
+            q[r0:r1].copy_(fp8_quantize(weight[r0:r1], rows_scale, self.kernel))
+        kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
+
+    def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:
+        scale = getattr(layer, self.scale_names[param_name])
+        return scale[expert_id : expert_id + 1] if self.granularity == "tensor" else scale[expert_id]
+
+    def expert_linear(self, layer, param_name, expert_id, x):
+        dense = self._dense[param_name]
+        expert = SimpleNamespace(
+            weight=getattr(layer, param_name)[expert_id],
+            **{dense.scale_name: self._expert_scale(layer, param_name, expert_id)},
+        )
+        return dense.apply(expert, x, None)
+
+    def gathered_weights(self, layer, param_name, ids, dtype):
+        q = getattr(layer, param_name)[ids].to(torch.float32)  # [n, N, K]
+        scale = getattr(layer, self.scale_names[param_name])[ids]
+        if self.granularity == "tensor":
+            return (q * scale[:, None, None]).to(dtype)
+        if self.granularity == "channel":
+            return (q * scale).to(dtype)
+        n, k = q.shape[1:]
+        full = scale.repeat_interleave(BLOCK_SIZE[0], dim=1)[:, :n].repeat_interleave(BLOCK_SIZE[1], dim=2)
+        return (q * full[:, :, :k]).to(dtype)
+
+
+def moe_method_for(scheme: str, kernel: str = "torch", fp8_mode: str = "auto") -> FusedMoEMethodBase:
+    """The fused-MoE method for a canonical scheme name (``QuantConfig.scheme``).
+
+    Raises:
+        ValueError: a scheme with no MoE method (torchao configs); the message lists those supported.
+    """
+    if scheme == "none":
+        return UnquantizedFusedMoEMethod()
+    if scheme in MOE_SCHEMES:
+        return Fp8MoEMethod(scheme.rsplit("-", 1)[1], kernel, fp8_mode)
+    raise ValueError(
+        f"quantization {scheme!r} is not supported for mixture-of-experts layers (torchao configs quantize "
+        f"nn.Linear weights, not fused [E, N, K] experts); use one of {', '.join(MOE_SCHEMES)}"
+    )

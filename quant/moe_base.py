@@ -1,0 +1,158 @@
+"""Quantization methods for fused mixture-of-experts layers, and the unquantized one.
+
+A method owns, for a ``FusedMoE`` layer (``layerwise/layers/fused_moe.py``):
+
+* ``create_weights``: checkpoint-format ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] on the
+  current device (meta during a layerwise load), in the checkpoint dtype;
+* ``create_kernel_tensors`` + ``process_expert``: the kernel-format tensors of the whole layer
+  (allocated once) and the processing of ONE expert's w13 or w2 into its slices of them. The
+  layerwise session calls these per expert, so an MoE layer is never materialized whole in the
+  checkpoint dtype (the 1.5x peak that vLLM PR #39041 removed);
+* ``apply``: the forward over the experts the router chose.
+
+The forward loops over the experts that received tokens (transformers' and vLLM's reference
+``fused_moe`` loop): gather their tokens, ``down(silu(gate) * up)``, scale by the routing weight,
+``index_add_`` into the output. That loop reads the chosen expert ids on the host, which a CUDA graph
+cannot capture; while a graph is being captured (the Engine's decode step) the method computes the k
+chosen experts of every token from gathered weights instead (``apply_gathered``: no host sync, k x T
+experts' weights gathered, fine for decode batches, wasteful for long prefills).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerwise.errors import NonFiniteWeightError
+from layerwise.kernels import has_non_finite
+from layerwise.quant.parameters import ModelWeightParameter, WeightLoader
+
+EXPERT_PARAMS = ("w13_weight", "w2_weight")
+
+
+class FusedMoEMethodBase:
+    """Base class of fused-MoE methods (see the module docstring for the contract)."""
+
+    #: short name used in reports
+    name = "base"
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        """Register w13_weight [E, 2I, H] and w2_weight [E, H, I] in ``params_dtype`` (checkpoint format)."""
+        shapes = {
+            "w13_weight": (num_experts, 2 * intermediate_size, hidden_size),
+            "w2_weight": (num_experts, hidden_size, intermediate_size),
+        }
+        for name, shape in shapes.items():
+            layer.register_parameter(name, ModelWeightParameter(torch.empty(shape, dtype=params_dtype), weight_loader))
+
+    def create_kernel_tensors(self, layer: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
+        """Uninitialized kernel-format parameters of the whole layer on ``device``, by name."""
+        raise NotImplementedError
+
+    def process_expert(
+        self,
+        layer: nn.Module,
+        param_name: str,
+        expert_id: int,
+        weight: torch.Tensor,
+        kernel_tensors: dict[str, torch.Tensor],
+    ) -> None:
+        """Write expert ``expert_id``'s ``param_name`` (``weight``: [2I, H] or [H, I], checkpoint dtype)
+        into its slices of ``kernel_tensors``. Nothing is written when it raises.
+
+        Raises:
+            NonFiniteWeightError: ``weight`` holds NaN or Inf.
+        """
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Whole-layer processing (a layer loaded outside a layerwise session): expert by expert into
+        freshly allocated kernel tensors, which then replace the checkpoint-format parameters.
+
+        Raises:
+            NonFiniteWeightError: a weight holds NaN or Inf.
+        """
+        kernel_tensors = self.create_kernel_tensors(layer, layer.w13_weight.device)
+        for name in EXPERT_PARAMS:
+            weight = getattr(layer, name).data
+            for e in range(weight.shape[0]):
+                self.process_expert(layer, name, e, weight[e], kernel_tensors)
+        for name in EXPERT_PARAMS:
+            delattr(layer, name)
+        for name, t in kernel_tensors.items():
+            layer.register_parameter(name, t)
+
+    def expert_linear(self, layer: nn.Module, param_name: str, expert_id: int, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ W_e^T for expert ``expert_id``'s ``param_name`` -> [M, N] in x.dtype."""
+        raise NotImplementedError
+
+    def gathered_weights(self, layer: nn.Module, param_name: str, ids: torch.Tensor, dtype: torch.dtype):
+        """The weights of experts ``ids`` (int64 [n]) as [n, N, K] in ``dtype`` (no host sync)."""
+        raise NotImplementedError
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H] -> [T, H] in x.dtype.
+
+        Expert e: down(silu(gate(x)) * up(x)); the weighted result is cast to x.dtype and accumulated
+        with ``index_add_`` expert by expert, in increasing expert id, as transformers does.
+        """
+        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return self.apply_gathered(layer, x, topk_weights, topk_ids)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(topk_ids, layer.num_experts).permute(2, 1, 0)  # [E, k, T]
+        for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+            pos, tokens = torch.where(mask[e])
+            gate, up = self.expert_linear(layer, "w13_weight", e, x[tokens]).chunk(2, dim=-1)
+            y = self.expert_linear(layer, "w2_weight", e, F.silu(gate) * up)  # [n_e, H]
+            out.index_add_(0, tokens, (y * topk_weights[tokens, pos, None]).to(out.dtype))
+        return out
+
+    def apply_gathered(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Same result as :meth:`apply` (up to the order of the k-sum) without reading ids on the host:
+        the k chosen experts' weights of every token are gathered ([T*k, N, K] each) and multiplied
+        batched. Shapes as in :meth:`apply`."""
+        t, k = topk_ids.shape
+        ids = topk_ids.reshape(-1)
+        w13 = self.gathered_weights(layer, "w13_weight", ids, x.dtype)  # [T*k, 2I, H]
+        w2 = self.gathered_weights(layer, "w2_weight", ids, x.dtype)  # [T*k, H, I]
+        xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, H]
+        gate, up = torch.bmm(xs, w13.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[:, 0]  # [T*k, H]
+        return (y * topk_weights.reshape(-1, 1)).to(x.dtype).view(t, k, -1).sum(dim=1)
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """Expert weights stay in the checkpoint dtype (or ``dtype=``); forward is ``F.linear`` per expert."""
+
+    name = "none"
+
+    def create_kernel_tensors(self, layer: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
+        return {
+            name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+            for name, p in ((n, getattr(layer, n)) for n in EXPERT_PARAMS)
+        }
+
+    def process_expert(self, layer, param_name, expert_id, weight, kernel_tensors) -> None:
+        if has_non_finite(weight):
+            raise NonFiniteWeightError(f"{param_name} of expert {expert_id} holds NaN or Inf")
+        with torch.no_grad():
+            kernel_tensors[param_name][expert_id].copy_(weight)
+
+    def expert_linear(self, layer, param_name, expert_id, x):
+        return F.linear(x, getattr(layer, param_name)[expert_id])
+
+    def gathered_weights(self, layer, param_name, ids, dtype):
+        return getattr(layer, param_name)[ids].to(dtype)

@@ -1,0 +1,152 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against transformers' own forward, and the FP8 expert
+bytes against torch's own cast, on tiny checkpoints that transformers wrote (8 experts, top-2)."""
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.errors import TensorParallelError
+from layerwise.quant.fp8_moe import Fp8MoEMethod, moe_method_for
+from layerwise.quant.moe_base import UnquantizedFusedMoEMethod
+from tests.hf_checkpoints import MOE_ARCHS, hf_logits, sqnr_db, write_hf_checkpoint
+from tests.moe_helpers import as_bytes, expert_weights, moe_block, torch_fp8_reference
+
+SCHEMES = ["fp8-per-tensor", "fp8-per-channel", "fp8-per-block"]
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def moe_checkpoint(request, tmp_path_factory):
+    """(arch, path, transformers' float32 logits of IDS): 3 layers (Qwen3-MoE: layer 0 dense)."""
+    arch = request.param
+    path = write_hf_checkpoint(tmp_path_factory.mktemp(arch), arch, num_layers=3)
+    return arch, path, hf_logits(path, IDS)
+
+
+IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def test_float32_matches_transformers(moe_checkpoint):
+    arch, path, ref = moe_checkpoint
+    model = layerwise.load_model(path, quantization=None, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(IDS)
+    err = (out - ref).abs().max().item()
+    assert err <= 1e-4 * ref.abs().max().item(), f"{arch}: max |diff| {err}"
+
+
+def test_bf16_forward_close_to_transformers(moe_checkpoint):
+    arch, path, ref = moe_checkpoint
+    model = layerwise.load_model(path, quantization=None)
+    assert moe_block(model, 1).experts.w13_weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert sqnr_db(ref, model(IDS).float()) > 30
+
+
+def test_layer_kinds_follow_the_config(moe_checkpoint):
+    arch, path, _ = moe_checkpoint
+    model = layerwise.load_model(path, quantization="fp8")
+    kinds = [type(moe_block(model, i)).__name__ for i in range(3)]
+    # Qwen3-MoE: mlp_only_layers=[0] keeps layer 0 dense; Mixtral: every layer is sparse
+    assert kinds == (["LlamaMLP"] if arch == "Qwen3MoeForCausalLM" else ["SparseMoeBlock"]) + ["SparseMoeBlock"] * 2
+    block = moe_block(model, 1)
+    assert block.gate.weight.dtype == torch.bfloat16  # the router is never quantized
+    assert block.experts.w13_weight.shape == (8, 64, 64) and block.experts.w2_weight.shape == (8, 64, 32)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fp8_sqnr_and_expert_bytes_equal_torch_cast(moe_checkpoint, scheme):
+    arch, path, ref = moe_checkpoint
+    granularity = scheme.rsplit("-", 1)[1]
+    model = layerwise.load_model(path, quantization=scheme, dtype=torch.float32)
+    with torch.no_grad():
+        db = sqnr_db(ref, model(IDS))
+    assert db >= 18.0, f"{arch} {scheme}: SQNR {db:.1f} dB"
+    experts = moe_block(model, 2).experts
+    suffix = "weight_scale_inv" if granularity == "block" else "weight_scale"
+    for e in range(8):
+        for name, w in zip(("w13", "w2"), expert_weights(path, arch, 2, e), strict=True):
+            q, scale = torch_fp8_reference(w, granularity)
+            assert torch.equal(as_bytes(getattr(experts, f"{name}_weight")[e]), as_bytes(q)), (name, e)
+            assert torch.equal(
+                getattr(experts, f"{name}_{suffix}")[e], scale.reshape(-1)[0] if granularity == "tensor" else scale
+            )
+
+
+def test_fp8_block_scales_on_ragged_128_blocks(tmp_path):
+    """I = 160, H = 256: w13 [320, 256] has 3 x 2 blocks, w2 [256, 160] 2 x 2, the last ones ragged."""
+    arch = "Qwen3MoeForCausalLM"
+    path = write_hf_checkpoint(
+        tmp_path, arch, num_layers=2, hidden=256, moe_intermediate_size=160, max_shard_size="2MB"
+    )
+    model = layerwise.load_model(path, quantization="fp8-per-block")
+    experts = moe_block(model, 1).experts
+    assert experts.w13_weight_scale_inv.shape == (8, 3, 2) and experts.w2_weight_scale_inv.shape == (8, 2, 2)
+    for e in (0, 7):
+        for name, w in zip(("w13", "w2"), expert_weights(path, arch, 1, e), strict=True):
+            q, scale = torch_fp8_reference(w, "block")
+            assert torch.equal(as_bytes(getattr(experts, f"{name}_weight")[e]), as_bytes(q)), (name, e)
+            assert torch.equal(getattr(experts, f"{name}_weight_scale_inv")[e], scale)
+
+
+def test_per_tensor_scale_spans_gate_and_up(moe_checkpoint):
+    arch, path, _ = moe_checkpoint
+    model = layerwise.load_model(path, quantization="fp8")
+    w13, _ = expert_weights(path, arch, 1, 3)
+    scale = moe_block(model, 1).experts.w13_weight_scale[3]
+    assert scale == w13.float().abs().max() / 448.0  # one scale over both shards, not gate's or up's alone
+    assert scale > min(w13[:32].float().abs().max(), w13[32:].float().abs().max()) / 448.0
+
+
+def test_w8a8_on_cpu_close_to_transformers(moe_checkpoint):
+    arch, path, ref = moe_checkpoint
+    model = layerwise.load_model(path, quantization="fp8-per-channel", fp8_mode="w8a8")
+    with torch.no_grad():
+        db = sqnr_db(ref, model(IDS).float())
+    assert db >= 15.0, f"{arch} w8a8: SQNR {db:.1f} dB"
+
+
+@pytest.mark.parametrize("scheme", ["none"] + SCHEMES)
+def test_gathered_forward_equals_the_expert_loop(moe_checkpoint, scheme):
+    """The CUDA-graph path (no host sync: every token's k experts gathered) computes what the loop computes."""
+    arch, path, _ = moe_checkpoint
+    model = layerwise.load_model(path, quantization=scheme, dtype=torch.float32)
+    experts = moe_block(model, 1).experts
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
+    weights = torch.softmax(torch.randn(10, 2), dim=-1)
+    ids = torch.tensor([[0, 3], [3, 0], [7, 1], [2, 5], [5, 2], [1, 6], [6, 4], [4, 7], [0, 1], [3, 4]])
+    loop = experts.quant_method.apply(experts, x, weights, ids)
+    gathered = experts.quant_method.apply_gathered(experts, x, weights, ids)
+    torch.testing.assert_close(gathered, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_scheme_without_moe_method_is_a_clear_error(moe_checkpoint):
+    _, path, _ = moe_checkpoint
+    with pytest.raises(ValueError, match="not supported for mixture-of-experts.*fp8-per-tensor"):
+        layerwise.load_model(path, quantization="torchao:Float8WeightOnlyConfig")
+    assert isinstance(moe_method_for("none"), UnquantizedFusedMoEMethod)
+    assert isinstance(moe_method_for("fp8-per-block"), Fp8MoEMethod)
+
+
+def test_tensor_parallel_moe_is_refused_before_reading(moe_checkpoint):
+    from layerwise.config import ModelConfig
+    from layerwise.distributed import TPContext
+    from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, FusedMoE
+
+    with torch.device("meta"), pytest.raises(TensorParallelError, match="cannot be sharded"):
+        FusedMoE(
+            8,
+            64,
+            32,
+            quant_method=UnquantizedFusedMoEMethod(),
+            params_dtype=torch.bfloat16,
+            expert_shards=QWEN_EXPERT_SHARDS,
+            prefix="model.layers.1.mlp.experts",
+            tp=TPContext(None, 0, 2),
+        )
+    assert ModelConfig.from_dict({**_config(moe_checkpoint[1]), "mlp_only_layers": [1]}).is_moe_layer(1) is False
+
+
+def _config(path):
+    import json
+
+    return json.loads((path / "config.json").read_text())
