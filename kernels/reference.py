@@ -140,6 +140,49 @@ def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
     return torch.where(amax_value > 0, scale, torch.ones_like(scale))
 
 
+def activation_scale(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Dynamic e4m3 scale(s) of activations x [M, K]: max(amax / 448, float32 tiny) per group.
+
+    Args:
+        x: 2-D floating tensor [M, K].
+        granularity: "tensor" (scale [1]), "token" (one per row, [M, 1]) or "group" (one per row and
+            128 columns, [M, ceil(K / 128)]).
+    Returns:
+        float32 scales on x's device. No host sync and no finiteness check (a CUDA graph can capture
+        it); an all-zero group gets the tiny scale and quantizes to 0; NaN/Inf give a non-finite scale.
+    Raises:
+        ValueError: unknown granularity.
+    IEEE division by a device tensor: CUDA turns division by a Python number into a multiplication by
+    its reciprocal, 1 ulp off for some amaxes.
+    """
+    if granularity == "tensor":
+        a = amax(x, "tensor").reshape(1)
+    elif granularity == "token":
+        a = amax(x, "channel")
+    elif granularity == "group":
+        m, k = x.shape
+        bk = BLOCK_SIZE[1]
+        padded = F.pad(x, (0, -k % bk)).reshape(m, -(-k // bk), bk)  # zeros never win a max of |x|
+        hi, lo = torch.amax(padded, dim=2), torch.amin(padded, dim=2)
+        a = torch.maximum(hi.float(), -lo.float())
+    else:
+        raise ValueError(f"unknown activation granularity {granularity!r}; choose tensor, token or group")
+    divisor = torch.full((), FP8_E4M3_MAX, dtype=torch.float32, device=x.device)
+    return torch.clamp(a / divisor, min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_activation(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [M, K], float32 scales) of activations x [M, K]: :func:`activation_scale`, then
+    :func:`quantize` (a "group" scale is expanded to one column per element first). Raises ValueError
+    for an unknown granularity."""
+    scale = activation_scale(x, granularity)
+    if granularity != "group":
+        return quantize(x, scale), scale
+    expanded = scale.repeat_interleave(BLOCK_SIZE[1], dim=1)[:, : x.shape[1]]
+    q = (x.float() / expanded).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
 def _expand_rows(scale: torch.Tensor, granularity: str, r0: int, r1: int, n_cols: int) -> torch.Tensor:
     """The scale entries for rows [r0, r1), broadcastable to [r1 - r0, n_cols]."""
     if granularity == "tensor":

@@ -160,7 +160,8 @@ def launch(fn, device: torch.device, grid: tuple, *args, **constexprs) -> None:
     """Run kernel ``fn`` over ``grid``: compiled on CUDA, interpreted on CPU, with LAUNCH_OPTIONS.
 
     The interpreter computes in NumPy, which warns where a cast overflows to inf (a dequantized
-    value beyond fp16's range); the compiled kernel and torch's own cast give the same inf silently.
+    value beyond fp16's range) or an operation gives NaN (inf / inf on non-finite activations); the
+    compiled kernel and torch give the same values silently.
     """
     kernel = build(fn, device.type == "cpu")[grid]
     if device.type != "cpu":
@@ -168,7 +169,7 @@ def launch(fn, device: torch.device, grid: tuple, *args, **constexprs) -> None:
         return
     import numpy as np
 
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         kernel(*args, **constexprs, **LAUNCH_OPTIONS)
 
 

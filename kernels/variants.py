@@ -14,6 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+from layerwise.kernels.fp8_act import (
+    ACT_TILE_CUDA,
+    GROUP_ROWS_CUDA,
+    GROUP_SIZE,
+    MAX_PARTIALS,
+    _act_amax_kernel,
+    _act_quant_group_kernel,
+    _act_quant_tensor_kernel,
+    _act_quant_token_kernel,
+)
 from layerwise.kernels.fp8_tiles import SCALE_MODES, _amax_kernel, _dequantize_kernel, _quantize_kernel
 from layerwise.kernels.reference import BLOCK_SIZE
 from layerwise.kernels.triton_common import TILE_CUDA
@@ -21,6 +31,8 @@ from layerwise.kernels.triton_common import TILE_CUDA
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # pointer type a tensor of each dtype is passed as (bf16 travels as int16 bits: see triton_common)
 POINTER_TYPES = {torch.bfloat16: "*i16", torch.float16: "*fp16", torch.float32: "*fp32"}
+# activation dtypes the fused W8A8 forward launches with (quant.fp8.fused_forward)
+ACT_DTYPES = (torch.bfloat16, torch.float16)
 # compute capabilities checked: A100 (no e4m3 hardware type), L40S/RTX 4090, H100/H200
 CUDA_TARGETS = (80, 89, 90)
 
@@ -88,3 +100,21 @@ def cuda_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
                 _signature(_dequantize_kernel, types, const),
                 const,
             )
+
+
+def activation_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
+    """Every (kernel, dtype) of the fused activation quantization (``kernels.fp8_act``) on CUDA."""
+    rows, tile_k = ACT_TILE_CUDA
+    for dtype in ACT_DTYPES:
+        name = str(dtype)[6:]
+        common = dict(x_ptr=POINTER_TYPES[dtype], q_ptr="*u8", scale_ptr="*fp32", partial_ptr="*fp32")
+        common.update(n_rows=index_type, n_cols=index_type, n_groups=index_type, n_partials=index_type)
+        is_bf16 = dtype == torch.bfloat16
+        for fn, const in (
+            (_act_quant_token_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)),
+            (_act_quant_group_kernel, dict(IS_BF16=is_bf16, ROWS=GROUP_ROWS_CUDA, GROUP=GROUP_SIZE)),
+            (_act_amax_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)),
+            (_act_quant_tensor_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k, PARTIALS=MAX_PARTIALS)),
+        ):
+            kernel = fn.__name__.strip("_").removesuffix("_kernel")
+            yield KernelVariant(f"{kernel}[{name},{index_type}]", fn, _signature(fn, common, const), const)

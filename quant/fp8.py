@@ -21,7 +21,9 @@ and loses precision (tests/test_schemes.py measures both; per-channel scales avo
 
 Forward: W8A8 (activation quantized on the fly: per tensor for per-tensor weights, per token for
 per-channel weights, then ``torch._scaled_mm``) on CUDA sm89+, or W8A16 (dequantize, then
-``F.linear``). Per-block weights always run W8A16 here (blockwise ``_scaled_mm`` is not wired up).
+``F.linear``). On CUDA with ``kernel="triton"`` the activation quantization is one fused Triton
+kernel (``kernels.fp8_act``); on CPU it is the torch reference, bit for bit the same bytes.
+Per-block weights always run W8A16 here (blockwise ``_scaled_mm`` is not wired up).
 This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
 ``process_weights_after_loading``).
 
@@ -47,14 +49,13 @@ from layerwise.errors import NonFiniteWeightError, TensorParallelError
 from layerwise.kernels import (
     BLOCK_SIZE,
     FP8_DTYPE,
-    FP8_E4M3_MAX,
     fp8_amax,
     fp8_dequantize,
     fp8_quantize,
     fp8_quantize_weight,
     scale_from_amax,
 )
-from layerwise.kernels.reference import amax, quantize
+from layerwise.kernels.reference import activation_scale, quantize
 from layerwise.quant.base import QuantMethod, check_finite
 
 logger = logging.getLogger(__name__)
@@ -96,16 +97,11 @@ def _warn_once(key: tuple, message: str) -> None:
         logger.warning(message)
 
 
-def _activation_scale(x2: torch.Tensor, granularity: str) -> torch.Tensor:
-    """Dynamic scale of activations x2 [M, K]: [1] per tensor, [M, 1] per token ("channel").
-
-    No host sync (no finiteness check), so the step can be captured in a CUDA graph; an all-zero
-    activation gets the smallest scale and stays 0."""
-    per_token = granularity == "channel"
-    a = amax(x2, "channel" if per_token else "tensor")
-    divisor = torch.full((), FP8_E4M3_MAX, dtype=torch.float32, device=a.device)  # IEEE division on CUDA too
-    scale = torch.clamp(a / divisor, min=torch.finfo(torch.float32).tiny)
-    return scale if per_token else scale.reshape(1)
+def fused_forward(kernel: str, x: torch.Tensor) -> bool:
+    """Whether the forward runs the Triton kernels (fused activation quantization, FP8 GEMMs): on CUDA
+    with ``kernel="triton"`` (the CUDA default) and bf16/fp16 activations. Elsewhere the torch path
+    (reference activation quantization, dequantize + ``F.linear``) runs, as on CPU."""
+    return kernel == "triton" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
 class Fp8LinearMethod(QuantMethod):
@@ -223,8 +219,14 @@ class Fp8LinearMethod(QuantMethod):
         if not use_scaled_mm:
             return F.linear(x, fp8_dequantize(weight, scale, x.dtype, self.kernel), bias)
         x2 = x.reshape(-1, x.shape[-1])
-        x_scale = _activation_scale(x2, self.granularity)
-        xq = quantize(x2, x_scale, torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device))
+        act_granularity = "token" if self.granularity == "channel" else "tensor"
+        if fused_forward(self.kernel, x):  # one Triton launch (two per tensor) instead of ~10 torch kernels
+            from layerwise.kernels.fp8_act import quantize_activation  # needs triton: imported on CUDA only
+
+            xq, x_scale = quantize_activation(x2.contiguous(), act_granularity)
+        else:
+            x_scale = activation_scale(x2, act_granularity)
+            xq = quantize(x2, x_scale, torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device))
         w_scale = scale if self.granularity == "tensor" else scale.t()  # [1, out] for row-wise
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
         if bias is not None:

@@ -15,9 +15,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from layerwise.kernels.triton_common import LAUNCH_OPTIONS  # noqa: E402
-from layerwise.kernels.variants import CUDA_TARGETS, cuda_variants  # noqa: E402
+from layerwise.kernels.variants import CUDA_TARGETS, activation_variants, cuda_variants  # noqa: E402
 
 VARIANTS = list(cuda_variants("i32")) + list(cuda_variants("i64"))
+ACT_VARIANTS = list(activation_variants("i32")) + list(activation_variants("i64"))
 
 
 def _compile(variant, cc: int):
@@ -34,8 +35,15 @@ def test_the_matrix_covers_every_kernel_dtype_and_layout():
                 assert f"{kernel}[{dtype},{layout},i32]" in names
 
 
+def test_the_matrix_covers_every_activation_kernel():
+    names = {v.name for v in ACT_VARIANTS}
+    assert len(names) == len(ACT_VARIANTS) == 2 * 2 * 4  # width x dtype x kernel
+    for kernel in ("act_quant_token", "act_quant_group", "act_amax", "act_quant_tensor"):
+        assert f"{kernel}[bfloat16,i64]" in names
+
+
 @pytest.mark.parametrize("cc", CUDA_TARGETS)
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", VARIANTS + ACT_VARIANTS, ids=lambda v: v.name)
 def test_kernel_compiles_to_a_cubin(variant, cc):
     compiled = _compile(variant, cc)
     assert len(compiled.asm["cubin"]) > 0
