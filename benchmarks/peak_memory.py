@@ -11,101 +11,84 @@ tracker that ignores memory-mapped checkpoint pages). Methods:
   hf-TorchAoConfig          transformers from_pretrained(quantization_config=TorchAoConfig(...))
   floor-read-copy           read every checkpoint tensor and copy it to the device, no quantization
 
-Per method: peak bytes, final model bytes, peak / final, (peak - final) / largest layer, wall
-seconds and seconds / floor (timed in a second, untracked load). On CPU, a method that keeps
-memory-mapped checkpoint tensors as parameters (transformers does, for embeddings, lm_head and
-norms) is charged their bytes on top of its tracked peak (``untracked_final_bytes``): on a GPU
-they would be device memory too. For hf+torchao-quantize_ the device-equivalent bytes are also
-sampled when from_pretrained returns (the whole BF16 model held, as mmap views on CPU), a lower
-bound of its GPU peak. hf-TorchAoConfig quantizes inside from_pretrained, so the mmap views it
-drops along the way are not counted: its CPU figure is a lower bound too. The one-time process
-warm-up (imports, Inductor's compile of the fused CPU quantize, the tracker's first dispatch) is
-done before the timed load and reported separately.
+Per method, in one fresh process: the first load (``first_seconds``: imports, compiles and caches
+paid once per process), then ``--loads``-1 more (``seconds``: the best of them, the steady state), and
+``first_minus_second_seconds``; peak bytes, final model bytes, peak / final, (peak - final) / largest
+layer; ``time_over_floor`` (seconds / the floor's seconds) and ``first_over_floor`` (first_seconds /
+the floor's seconds). On CUDA the first load is also the tracked one (the allocator's statistics cost
+nothing); on CPU the tracker slows every operator, so the memory is measured in one more load after the
+timed ones. On CPU, a method that keeps memory-mapped checkpoint tensors as parameters (transformers
+does, for embeddings, lm_head and norms) is charged their bytes on top of its tracked peak
+(``untracked_final_bytes``): on a GPU they would be device memory too. For hf+torchao-quantize_ the
+device-equivalent bytes are also sampled when from_pretrained returns (the whole BF16 model held, as
+mmap views on CPU), a lower bound of its GPU peak. hf-TorchAoConfig quantizes inside from_pretrained,
+so the mmap views it drops along the way are not counted: its CPU figure is a lower bound too. On a GPU
+without accelerate, the HF methods load on the CPU and move the model (``hf_placement`` says which).
 
-    layerwise bench [--size default|small] [--device cpu|cuda] [--out-dir DIR] [--cache-dir DIR]
+    layerwise bench [--size small|default|0.9b|8b] [--device cpu|cuda] [--loads N] [--timeout S]
+                    [--out-dir DIR] [--cache-dir DIR]
     python -m layerwise.benchmarks.peak_memory ...   (the same)
 
-Writes DIR/<name>.json (every figure above, plus the memory timelines) and DIR/<name>.png (the
-timelines plotted), and prints the table.
+Writes DIR/<name>.json (every figure above, plus the memory timelines and where it ran: device name,
+versions, commit, date) and DIR/<name>.png (the timelines plotted), and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, default_cache_dir, require, write_json
+from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.machine import describe_machine, provenance
+from layerwise.benchmarks.options import (
+    RESULTS_NOTE,
+    add_output_arguments,
+    default_cache_dir,
+    positive_int,
+    require,
+    write_json,
+)
 from layerwise.benchmarks.readme import peak_memory_table
+from layerwise.benchmarks.workers import run_worker
 
-SIZES = {  # Llama-style checkpoints written by transformers' save_pretrained, BF16
-    "default": dict(
-        num_hidden_layers=24,
-        hidden_size=1024,
-        intermediate_size=2816,
-        vocab_size=32000,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_shard_size="200MB",
-    ),
-    "small": dict(
-        num_hidden_layers=4,
-        hidden_size=256,
-        intermediate_size=704,
-        vocab_size=2048,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_shard_size="2MB",
-    ),
-}
 LAYERWISE = ["fp8-per-tensor", "fp8-per-channel", "fp8-per-block", "torchao:Float8WeightOnlyConfig"]
-METHODS = [f"layerwise-{s}" for s in LAYERWISE] + [
-    "naive-bf16-then-fp8",
+# in the order they run: the floor first (every ratio needs it), the peers last
+METHODS = [
+    "floor-read-copy",
+    *(f"layerwise-{s}" for s in LAYERWISE),
     "hf+torchao-quantize_",
     "hf-TorchAoConfig",
-    "floor-read-copy",
+    "naive-bf16-then-fp8",
 ]
 
 
-def make_checkpoint(size: str, root: Path) -> Path:
-    """The benchmark checkpoint ``root/llama-<size>``, generated with transformers the first time and reused
-    after; returns its directory. It is written under a temporary name and renamed when complete, so an
-    interrupted run never leaves a checkpoint that looks finished."""
-    path = root / f"llama-{size}"
-    if path.is_dir():
-        return path
-    import transformers
-
-    spec = dict(SIZES[size])
-    shard = spec.pop("max_shard_size")
-    partial = root / f".llama-{size}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**spec, tie_word_embeddings=False, max_position_embeddings=4096)
-    with torch.device("cpu"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(partial, max_shard_size=shard)
-    partial.rename(path)
-    return path
-
-
 def required_modules(methods: list[str], device: str) -> list[str]:
-    """The optional modules a run of ``methods`` on ``device`` imports (the "bench" extra)."""
-    modules = ["transformers", "matplotlib"]  # the checkpoint generator, the plot
+    """The optional modules a run of ``methods`` on ``device`` imports (the "bench" extra). transformers'
+    device_map needs accelerate; without it the HF methods load on the CPU and move the model (recorded)."""
+    modules = ["transformers", "matplotlib"]  # the checkpoint's config.json, the plot
     if any("torchao" in m.lower() for m in methods):
         modules.append("torchao")
-    if torch.device(device).type != "cpu" and any(m.startswith("hf") for m in methods):
-        modules.append("accelerate")  # transformers' device_map
     return modules
+
+
+def missing_modules(methods: list[str]) -> dict[str, str]:
+    """method -> why it cannot run here (an optional module that does not import), for the suite, which
+    records these methods as skipped instead of failing."""
+    import importlib.util
+
+    reasons = {}
+    for m in methods:
+        needs = (["transformers"] if m.startswith("hf") else []) + (["torchao"] if "torchao" in m.lower() else [])
+        for module in needs:
+            if importlib.util.find_spec(module) is None:
+                reasons[m] = f"skipped: {module} is not installed"
+                break
+    return reasons
 
 
 # ----------------------------------------------------------------------------- one method (worker)
@@ -143,10 +126,9 @@ def _load(method: str, path: str, device: torch.device, tracker=None):
     import transformers
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
-    # device_map (which needs accelerate) only where the model must leave the CPU
-    placement = {} if device.type == "cpu" else {"device_map": str(device)}
+    placement, move = _hf_placement(device)
     if method == "hf+torchao-quantize_":
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **placement)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **placement).to(move)
         if tracker is not None:  # the whole BF16 model is held now (on CPU as mmap views: count them)
             tracker.mark("bf16 model loaded", tracker.current_bytes + tracker.untracked_bytes(_tensors(model)))
         quantize_(model, Float8WeightOnlyConfig(), filter_fn=_non_lm_head_linear)
@@ -155,8 +137,29 @@ def _load(method: str, path: str, device: torch.device, tracker=None):
         config = transformers.TorchAoConfig(Float8WeightOnlyConfig(), modules_to_not_convert=["lm_head"])
         return transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.bfloat16, quantization_config=config, **placement
-        )
+        ).to(move)
     raise ValueError(f"unknown method {method!r}")
+
+
+def _hf_placement(device: torch.device) -> tuple[dict, torch.device]:
+    """(from_pretrained keyword arguments, the device to move the result to). transformers places a model
+    on a GPU through device_map, which needs accelerate; without accelerate it loads on the CPU and the
+    model is moved with ``.to(device)`` (slower, recorded as the row's ``hf_placement``)."""
+    import importlib.util
+
+    if device.type == "cpu":
+        return {}, device
+    if importlib.util.find_spec("accelerate") is not None:
+        return {"device_map": str(device)}, device
+    return {}, device
+
+
+def hf_placement_note(device: torch.device) -> str:
+    """How the HF methods put the model on ``device`` (for the results)."""
+    placement, _ = _hf_placement(device)
+    if device.type == "cpu":
+        return "cpu"
+    return "device_map" if placement else "loaded on cpu, then .to(device) (accelerate is not installed)"
 
 
 def _tensors(result) -> list:
@@ -178,125 +181,165 @@ def _downsample(timeline: list, points: int = 400) -> list:
     return out
 
 
-def worker(method: str, path: str, device: str) -> dict:
-    """Load ``path`` with ``method`` under the tracker; returns the measurements (bytes, seconds)."""
+def _final_bytes(result, device: torch.device) -> int:
+    from layerwise.memory import tensor_bytes
+
+    if isinstance(result, dict):
+        return sum(t.untyped_storage().nbytes() for t in result.values())
+    return tensor_bytes(result, device)
+
+
+def _timed_load(method: str, path: str, device: torch.device, tracker=None) -> tuple[object, float]:
+    start = time.perf_counter()
+    result = _load(method, path, device, tracker)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def worker(method: str, path: str, device: str, loads: int = 2):
+    """Load ``path`` with ``method`` ``loads`` times in this (fresh) process; yields one row of measurements
+    (bytes, seconds).
+
+    The first load is the first in the process (imports, compiles and caches a user pays once); the
+    second shows the steady state. On CUDA the allocator's statistics cost nothing, so the first load is
+    also the tracked one; on CPU the tracker's dispatch mode slows every operator, so the timed loads run
+    untracked and one more load runs under the tracker. Only the CUDA context is created before the first
+    load (every method, the floor included, would pay it once, and it is not a load cost).
+    """
     from layerwise.memory import DeviceMemoryTracker
 
     device = torch.device(device)
-    start = time.perf_counter()
-    with DeviceMemoryTracker(device):  # warm-up: the tracker's first dispatch imports torch._dynamo
-        torch.empty(1, device=device) + 1
-    if method == "layerwise-fp8-per-tensor" and device.type == "cpu":
-        from layerwise.kernels import cpu_fused, fp8_quantize_weight
-
-        w = torch.ones(cpu_fused.FUSED_MIN_NUMEL, dtype=torch.bfloat16)
-        fp8_quantize_weight(w)  # compiles the fused CPU quantize (Inductor cache) before timing
-    warmup = time.perf_counter() - start
-    with DeviceMemoryTracker(device) as tracker:  # memory: one load under the tracker
-        result = _load(method, path, device, tracker)
-        tracker.sample()
-    # A method may keep memory-mapped checkpoint tensors as parameters (transformers does on CPU);
-    # the tracker does not see them, but on a GPU they would be device memory: add them to the peak.
-    untracked = tracker.untracked_bytes(_tensors(result))
-    from layerwise.memory import tensor_bytes
-
-    final = (
-        tensor_bytes(result, device)
-        if not isinstance(result, dict)
-        else sum(t.untyped_storage().nbytes() for t in result.values())
-    )
-    timeline = [p for p in tracker.timeline if p not in tracker.timeline_marks]
-    del result
-    gc.collect()  # models hold reference cycles: free the tracked one before the timed loads
-    # time: the best of two loads without the tracker (its per-op Python work would weigh on
-    # methods unevenly); the page cache is warm for these loads, as for every method
-    seconds = float("inf")
-    for _ in range(2):
-        start = time.perf_counter()
-        result = _load(method, path, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = min(seconds, time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.empty(1, device=device)
+    seconds = []
+    tracker = None
+    for i in range(loads):
+        if i == 0 and device.type == "cuda":
+            with DeviceMemoryTracker(device) as tracker:
+                result, took = _timed_load(method, path, device, tracker)
+                tracker.sample()
+        else:
+            result, took = _timed_load(method, path, device)
+        seconds.append(took)
+        if tracker is not None and i == 0:
+            untracked, final = 0, _final_bytes(result, device)
+        del result
+        gc.collect()  # models hold reference cycles: free each one before the next load
+    if tracker is None:  # CPU: the memory run, under the live-storage tracker
+        with DeviceMemoryTracker(device) as tracker:
+            result = _load(method, path, device, tracker)
+            tracker.sample()
+        # A method may keep memory-mapped checkpoint tensors as parameters (transformers does on CPU);
+        # the tracker does not see them, but on a GPU they would be device memory: add them to the peak.
+        untracked = tracker.untracked_bytes(_tensors(result))
+        final = _final_bytes(result, device)
         del result
         gc.collect()
+    timeline = [p for p in tracker.timeline if p not in tracker.timeline_marks]
     marks = {name: b for name, b in tracker.marks}
-    return {
+    row = {
         "method": method,
         "peak_bytes": max([tracker.peak_bytes + untracked, *marks.values()]),
         "tracked_peak_bytes": tracker.peak_bytes,
         "untracked_final_bytes": untracked,
         "marks": marks,
         "final_bytes": final,
-        "seconds": seconds,
-        "warmup_seconds": warmup,
+        "load_seconds": seconds,
+        "first_seconds": seconds[0],
+        "seconds": min(seconds[1:]) if loads > 1 else seconds[0],
         "tracker": tracker.method,
         "peak_rss_anon_bytes": tracker.peak_rss_anon_bytes,
         "timeline": _downsample(timeline),
         "mark_points": [[round(t, 4), b] for t, b in tracker.timeline_marks],
     }
+    if loads > 1:
+        row["second_seconds"] = seconds[1]
+        row["first_minus_second_seconds"] = seconds[0] - seconds[1]
+    if method.startswith("hf"):
+        row["hf_placement"] = hf_placement_note(device)
+    yield row
 
 
 # ----------------------------------------------------------------------------- the whole run
 
-# Each method runs in a fresh interpreter: ``worker(METHOD, PATH, DEVICE)``, its result as JSON on stdout.
-# A private entry point, so the command line of `layerwise bench` has nothing internal in it.
-_WORKER = (
-    "import json, sys; from layerwise.benchmarks.peak_memory import worker; print(json.dumps(worker(*sys.argv[1:4])))"
-)
 
-
-def run(size: str, device: str, methods: list[str], cache: Path) -> dict:
-    """Every method in its own subprocess on the ``size`` checkpoint (generated under ``cache`` if needed);
-    returns the result that main writes as JSON (bytes, seconds, ratios)."""
-    from layerwise.checkpoint import Checkpoint
-
-    path = make_checkpoint(size, cache)
-    ckpt = Checkpoint(path)
-    largest = max(ckpt.group_bytes().values())
-    rows = []
-    for method in methods:
-        cmd = [sys.executable, "-c", _WORKER, method, str(path), device]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            rows.append({"method": method, "error": reason})
-            print(f"  {method}: did not run here: {reason}", file=sys.stderr)
-            continue
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(f"  {method}: done", file=sys.stderr)
+def add_ratios(rows: list[dict], largest_layer_bytes: int) -> None:
+    """Add peak_over_final, overhead_over_largest_layer and, with a floor row, time_over_floor (the
+    steady-state load over the floor's) and first_over_floor (the first load in a process over the
+    floor's steady state) to every measured row, in place."""
     floor = next((r for r in rows if r["method"] == "floor-read-copy" and "error" not in r), None)
     for r in rows:
         if "error" in r:
             continue
         r["peak_over_final"] = r["peak_bytes"] / r["final_bytes"]
-        r["overhead_over_largest_layer"] = (r["peak_bytes"] - r["final_bytes"]) / largest
+        r["overhead_over_largest_layer"] = (r["peak_bytes"] - r["final_bytes"]) / largest_layer_bytes
         if floor:
             r["time_over_floor"] = r["seconds"] / floor["seconds"]
+            r["first_over_floor"] = r["first_seconds"] / floor["seconds"]
+
+
+def run(
+    size: str,
+    device: str,
+    methods: list[str],
+    cache: Path,
+    loads: int = 2,
+    hf_loads: int | None = None,
+    timeout: float | None = None,
+    skipped: dict[str, str] | None = None,
+    deadline: float | None = None,
+) -> dict:
+    """Every method in its own subprocess on the ``size`` checkpoint (generated under ``cache`` if needed);
+    returns the result that main writes as JSON (bytes, seconds, ratios).
+
+    Args:
+        loads: loads per method (>= 2 gives first_minus_second_seconds); hf_loads: the same for the two
+            transformers methods (default: loads).
+        timeout: seconds each method's process may take; deadline: a ``time.monotonic()`` after which no
+            method starts and the running one is cut off (each is recorded with its reason, as are the
+            ``skipped`` methods: method -> reason).
+    """
+    from layerwise.checkpoint import Checkpoint
+
+    path = make_checkpoint(size, cache, device=device, verbose=True)
+    ckpt = Checkpoint(path)
+    largest = max(ckpt.group_bytes().values())
+    rows = []
+    for method in methods:
+        if skipped and method in skipped:
+            rows.append({"method": method, "error": skipped[method]})
+            continue
+        limit = timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left < 5:
+                rows.append({"method": method, "error": "skipped: the run's time budget was spent"})
+                continue
+            limit = left if limit is None else min(limit, left)
+        n = hf_loads if (hf_loads and method.startswith("hf")) else loads
+        out = run_worker("peak_memory", "worker", dict(method=method, path=str(path), device=device, loads=n), limit)
+        if out.rows:
+            rows.append(out.rows[0])
+        else:
+            rows.append({"method": method, "error": out.error})
+            print(f"  {method}: did not run here: {out.error}", file=sys.stderr)
+            continue
+        print(f"  {method}: done in {out.seconds:.1f} s", file=sys.stderr)
+    add_ratios(rows, largest)
+    shape = {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
     return {
         "benchmark": "peak_memory",
-        "size": size,
+        **provenance(device, size, shape),
         "device": device,
         "checkpoint": str(path),
-        "config": {k: v for k, v in SIZES[size].items()},
+        "config": dict(SIZES[size]),
         "checkpoint_bytes": ckpt.total_bytes,
         "largest_layer_checkpoint_bytes": largest,
+        "loads_per_method": loads,
         "machine": describe_machine(device),
         "results": rows,
     }
-
-
-def describe_machine(device: str) -> dict:
-    """Platform, Python, torch, CPU count and threads (and the GPU's name on cuda), for the results JSON."""
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def plot(result: dict, out: Path) -> None:
@@ -356,7 +399,10 @@ def main(argv=None) -> int:
         epilog=RESULTS_NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sizes = "; ".join(f"'{k}' = {v['num_hidden_layers']} layers, hidden {v['hidden_size']}" for k, v in SIZES.items())
+    sizes = "; ".join(
+        f"'{k}' = {v['num_hidden_layers']} layers, hidden {v['hidden_size']}, vocab {v['vocab_size']}"
+        for k, v in SIZES.items()
+    )
     parser.add_argument(
         "--size",
         default="default",
@@ -370,6 +416,15 @@ def main(argv=None) -> int:
         metavar="M1,M2,...",
         help="comma-separated subset of the methods above (default: all)",
     )
+    parser.add_argument(
+        "--loads",
+        type=positive_int,
+        default=2,
+        help="loads per method in its process: the first, then the steady state (default: 2)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, metavar="S", help="seconds each method may take (default: no limit)"
+    )
     add_output_arguments(parser, default_name="peak_memory_<device>_<size>")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
@@ -378,7 +433,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     require(required_modules(methods, args.device))
 
-    result = run(args.size, args.device, methods, args.cache_dir or default_cache_dir())
+    result = run(args.size, args.device, methods, args.cache_dir or default_cache_dir(), args.loads, None, args.timeout)
     name = args.name or f"peak_memory_{args.device}_{args.size}"
     path = write_json(result, args.out_dir, name)
     plot(result, path.with_suffix(".png"))

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import platform
 
 import torch
 
+from layerwise.benchmarks.machine import provenance
 from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, positive_int, write_json
 from layerwise.benchmarks.readme import quant_kernels_table
 from layerwise.benchmarks.timing import best_of
@@ -57,8 +57,8 @@ def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | 
             rows.append(row)
     return {
         "benchmark": "quant_kernels",
+        **provenance(device, None, {"shapes": [list(r["shape"]) for r in rows]}),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "repeats": repeats,

@@ -26,14 +26,8 @@ from layerwise.benchmarks.options import DEFAULT_OUT_DIR, REFERENCE_DIR
 
 BEGIN = re.compile(r"<!-- results:begin.*?-->\n", re.DOTALL)
 END = "<!-- results:end -->"
-# the committed results the section is generated from, by benchmark
-FILES = {
-    "peak_memory": "peak_memory_cpu_default",
-    "reload_latency": "reload_latency_cpu_default",
-    "quant_kernels": "quant_kernels_cpu",
-    "weight_transfer": "weight_transfer_cpu_default",
-    "tp_load": "tp_load_cpu_default",
-}
+# the benchmarks whose CPU results the section needs (the newest JSON of each in the results folder)
+CPU_BENCHMARKS = ["peak_memory", "reload_latency", "quant_kernels", "weight_transfer", "tp_load"]
 DEMO_FILE = "demo_load_cpu"
 DEMO_BEGIN = re.compile(r"<!-- demo:begin.*?-->\n", re.DOTALL)
 DEMO_END = "<!-- demo:end -->"
@@ -44,28 +38,105 @@ MIB = 2**20
 # ----------------------------------------------------------------------------- tables
 
 
+def _f(value, fmt: str = ".2f") -> str:
+    return "" if value is None else format(value, fmt)
+
+
 def peak_memory_table(result: dict) -> str:
-    """Markdown table of a peak_memory result: MiB, ratios, seconds per method."""
-    lines = [
-        "| method | peak MiB | final MiB | peak/final | (peak-final)/layer | seconds | time/floor |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["results"]:
+    """Markdown table of a peak_memory result: MiB, ratios, seconds per method (with the first load in the
+    process and first - second where the result has them)."""
+    rows = result["results"]
+    first = any("first_seconds" in r for r in rows)
+    head = "| method | peak MiB | final MiB | peak/final | (peak-final)/layer | "
+    if first:
+        head += "first load s | load s | first - second s | load/floor | first/floor |"
+    else:
+        head += "seconds | time/floor |"
+    lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
+    for r in rows:
         if "error" in r:
-            lines.append(f"| {r['method']} | did not run: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['method']} | did not run: {r['error'][:80]} |" + " |" * (head.count("|") - 3))
             continue
-        lines.append(
+        line = (
             f"| {r['method']} | {r['peak_bytes'] / MIB:,.1f} | {r['final_bytes'] / MIB:,.1f} | "
-            f"{r['peak_over_final']:.2f} | {r['overhead_over_largest_layer']:.2f} | {r['seconds']:.2f} | "
-            f"{r.get('time_over_floor', float('nan')):.2f} |"
+            f"{r['peak_over_final']:.2f} | {r['overhead_over_largest_layer']:.2f} | "
         )
+        if first:
+            line += (
+                f"{_f(r.get('first_seconds'))} | {r['seconds']:.2f} | {_f(r.get('first_minus_second_seconds'))} | "
+                f"{_f(r.get('time_over_floor'))} | {_f(r.get('first_over_floor'))} |"
+            )
+        else:
+            line += f"{r['seconds']:.2f} | {r.get('time_over_floor', float('nan')):.2f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
 def reload_latency_table(result: dict) -> str:
-    """Markdown table of a reload_latency result: seconds per case and their ratio to the floor."""
-    lines = ["| case | seconds | / floor |", "|---|---:|---:|"]
-    lines += [f"| {r['case']} | {r['seconds']:.3f} | {r.get('over_floor', 1.0):.2f} |" for r in result["results"]]
+    """Markdown table of a reload_latency result: seconds per case and the ratio to the floor (and the
+    first reload of each live model where the result has it)."""
+    first = any("first_seconds" in r for r in result["results"])
+    lines = (
+        ["| case | seconds | / floor | first s |", "|---|---:|---:|---:|"]
+        if first
+        else [
+            "| case | seconds | / floor |",
+            "|---|---:|---:|",
+        ]
+    )
+    for r in result["results"]:
+        if "error" in r:
+            lines.append(f"| {r['case']} | did not run: {r['error'][:80]} | |" + (" |" if first else ""))
+            continue
+        line = f"| {r['case']} | {r['seconds']:.3f} | {r.get('over_floor', 1.0):.2f} |"
+        lines.append(line + (f" {_f(r.get('first_seconds'), '.3f')} |" if first else ""))
+    return "\n".join(lines)
+
+
+def decode_table(result: dict) -> str:
+    """Markdown table of a decode_step result: median ms per step and the ratio to BF16 per configuration."""
+    lines = ["| scheme | fp8 mode | ms / step | / bf16 |", "|---|---|---:|---:|"]
+    for r in result["results"]:
+        scheme, _, mode = r["config"].partition("/")
+        if "error" in r:
+            lines.append(f"| {scheme} | {mode or 'auto'} | did not run: {r['error'][:80]} | |")
+            continue
+        lines.append(f"| {scheme} | {mode or 'auto'} | {r['ms']:.2f} | {_f(r.get('over_bf16'))} |")
+    return "\n".join(lines)
+
+
+_TARGET_ROWS = [  # (field of the suite summary, what it is)
+    ("load_over_floor", "load / floor (second load in a process)"),
+    ("first_load_over_floor", "first load in a fresh process / floor"),
+    ("first_minus_second_load_seconds", "first - second load, seconds"),
+    ("reload_dir_over_copy_floor", "reload from the checkpoint dir / copy floor"),
+    ("reload_stream_over_copy_floor", "reload from an in-memory stream / copy floor"),
+    ("decode_over_bf16", "decode step / BF16 step"),
+]
+
+
+def _target(summary: dict, field: str, scheme: str) -> tuple[float | None, bool | None]:
+    """(issue 14's target for this figure, whether it is met), or (None, None) where the issue sets none."""
+    targets, met, gpu = summary["targets"], summary.get("met", {}), summary["device"] != "cpu"
+    if field == ("first_load_over_floor" if gpu else "load_over_floor"):
+        return targets["load_over_floor"], met.get(f"load {scheme}")
+    if field == "first_minus_second_load_seconds" and not gpu:
+        return targets[field], met.get(f"first-load cost {scheme}")
+    if field == "reload_stream_over_copy_floor":
+        return targets[field], met.get(f"reload stream {scheme}")
+    if field == "decode_over_bf16" and f"decode {scheme}" in met:
+        return targets[f"decode_{scheme.partition('/')[2]}_over_bf16"], met[f"decode {scheme}"]
+    return None, None
+
+
+def targets_table(summary: dict) -> str:
+    """Markdown table of a suite summary: each of issue 14's figures per scheme, its target, met or not."""
+    lines = ["| figure | scheme | measured | target | met |", "|---|---|---:|---:|---|"]
+    for field, what in _TARGET_ROWS:
+        for scheme, value in summary.get(field, {}).items():
+            target, met = _target(summary, field, scheme)
+            verdict = "" if met is None else ("yes" if met else "**no**")
+            lines.append(f"| {what} | {scheme} | {value:.2f} | {_f(target, 'g')} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -109,7 +180,7 @@ from the repository root with `--out-dir {REFERENCE_DIR}`, then `python -m layer
 Results below: {_machine(pm["machine"], pm["device"])}."""
 
 
-def _peak_memory(pm: dict, image: str) -> str:
+def _peak_memory(pm: dict, image: str | None) -> str:
     cfg = pm["config"]
     rows = {r["method"]: r for r in pm["results"] if "error" not in r}
     parts = [
@@ -118,9 +189,7 @@ def _peak_memory(pm: dict, image: str) -> str:
 A {cfg["num_hidden_layers"]}-layer Llama checkpoint (hidden {cfg["hidden_size"]}, \
 intermediate {cfg["intermediate_size"]}, vocab {cfg["vocab_size"]}) written by transformers in BF16,
 {pm["checkpoint_bytes"] / MIB:,.0f} MiB; every method in a fresh process, measured by the same tracker.
-
-![memory timeline]({image})
-
+{f"{chr(10)}![memory timeline]({image}){chr(10)}" if image else ""}
 {peak_memory_table(pm)}"""
     ]
     ours = rows.get("layerwise-fp8-per-tensor")
@@ -298,24 +367,129 @@ checkpoint = {shares}. Run it yourself with `torchrun --nproc-per-node 2 -m laye
 {tp_load_table(tp)}"""
 
 
+def device_key(data: dict) -> str:
+    """ "cpu", or the GPU's name, for grouping results by the device they ran on."""
+    if str(data.get("device", "cpu")).startswith("cpu"):
+        return "cpu"
+    return data.get("device_name") or data.get("machine", {}).get("gpu") or str(data["device"])
+
+
+def latest_results(results: Path) -> dict[tuple[str, str], tuple[str, dict]]:
+    """(benchmark, device key) -> (file stem, data) of the newest results JSON in ``results``: the latest
+    ``date`` field (files without one count as oldest), ties broken by file name."""
+    latest: dict = {}
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or "benchmark" not in data:
+            continue  # e.g. the demo's LoadReport
+        key = (data["benchmark"], device_key(data))
+        rank = (data.get("date") or "", path.stem)
+        if key not in latest or rank > latest[key][0]:
+            latest[key] = (rank, path.stem, data)
+    return {key: (stem, data) for key, (_, stem, data) in latest.items()}
+
+
+def _shape(data: dict) -> str:
+    s = data.get("shape") or {}
+    if not s:
+        return f"size {data.get('size')}"
+    return (
+        f"{data.get('size')} size: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
+        f"intermediate {s['intermediate_size']}, vocab {s['vocab_size']}, "
+        f"{s['num_attention_heads']}/{s['num_key_value_heads']} heads"
+    )
+
+
+def _provenance(data: dict) -> str:
+    v = data.get("versions") or {}
+    parts = [f"{name} {v[name]}" for name in ("torch", "triton", "transformers", "torchao") if v.get(name)]
+    return ", ".join(parts + [f"commit {data.get('commit', 'unknown')}", data.get("date", "undated")])
+
+
+def _targets(summary: dict, where: str) -> str:
+    return f"""#### Issue 14 targets ({where})
+
+`python -m layerwise.benchmarks.suite --device {summary["device"]} --size {summary["size"]}` ({_shape(summary)};
+{_provenance(summary)}); the suite took {summary["total_seconds"]:.0f} s, checkpoint generation
+{summary["generation_seconds"]:.0f} s of it. Targets: load / floor <= {summary["targets"]["load_over_floor"]}
+(GPU: the first load in a fresh process; CPU: the second) and, on CPU, first - second load <= \
+{summary["targets"]["first_minus_second_load_seconds"]} s; reload from a stream <= \
+{summary["targets"]["reload_stream_over_copy_floor"]}x the copy floor; decode W8A8 <= \
+{summary["targets"]["decode_w8a8_over_bf16"]}x and W8A16 <= {summary["targets"]["decode_w8a16_over_bf16"]}x BF16.
+
+{targets_table(summary)}"""
+
+
+def _hf_placement(pm: dict) -> str:
+    return next((r["hf_placement"] for r in pm["results"] if "hf_placement" in r), "device_map")
+
+
+def _gpu_section(device: str, data: dict) -> str:
+    """The results measured on one GPU: load, reload, decode and the issue's targets."""
+    first = next(iter(data.values()))
+    parts = [
+        f"""### On {device}
+
+Every table from the newest results of this GPU ({_shape(first)}; {_provenance(first)}), run by
+`python -m layerwise.benchmarks.suite --device cuda --size {first.get("size")}`; page cache warm."""
+    ]
+    if "peak_memory" in data:
+        pm = data["peak_memory"]
+        parts.append(f"""#### Load: peak memory and time
+
+{pm["checkpoint_bytes"] / 2**30:,.2f} GiB of BF16; every method in a fresh process: its first load, then a \
+second (load s); transformers places the model by {_hf_placement(pm)}.
+
+{peak_memory_table(pm)}""")
+    if "reload_latency" in data:
+        rl = data["reload_latency"]
+        parts.append(f"""#### Hot reload
+
+{rl["stream_bytes"] / 1e9:.2f} GB of BF16 into a live model; floor = `copy_` of the same pinned host tensors
+into preallocated device tensors (the H2D copy floor). Best of {rl["repeats"]} after a first reload each.
+
+{reload_latency_table(rl)}""")
+    if "decode_step" in data:
+        ds = data["decode_step"]
+        parts.append(f"""#### Decode step
+
+`layerwise.Engine`, batch {ds["batch"]}, one token per sequence at position {ds["position"]} of a \
+{ds["max_seq_len"]}-token static cache, CUDA graph replayed; median of the timed steps.
+
+{decode_table(ds)}""")
+    if "suite" in data:
+        parts.append(_targets(data["suite"], device))
+    return "\n\n".join(parts)
+
+
 def section(results: Path, readme: Path) -> str:
-    """The text between the README markers, from the JSON files in ``results`` (image paths relative to
-    ``readme``'s folder).
+    """The text between the README markers, from the newest JSON of each benchmark and device in ``results``
+    (image paths relative to ``readme``'s folder): the CPU figures first, then one part per GPU.
 
     Raises:
-        FileNotFoundError: a results file named in FILES is missing.
+        FileNotFoundError: no CPU results of a benchmark in CPU_BENCHMARKS.
     """
-    data = {k: json.loads((results / f"{name}.json").read_text()) for k, name in FILES.items()}
-    image = os.path.relpath(results.resolve() / f"{FILES['peak_memory']}.png", readme.resolve().parent)
+    latest = latest_results(results)
+    data = {}
+    for name in CPU_BENCHMARKS:
+        if (name, "cpu") not in latest:
+            raise FileNotFoundError(f"no CPU results of the {name} benchmark in {results}")
+        data[name] = latest[(name, "cpu")][1]
+    png = results.resolve() / f"{latest[('peak_memory', 'cpu')][0]}.png"
+    image = Path(os.path.relpath(png, readme.resolve().parent)).as_posix() if png.exists() else None
     pm = data["peak_memory"]
     parts = [
         _intro(pm),
-        _peak_memory(pm, Path(image).as_posix()),
+        _peak_memory(pm, image),
         _reload_latency(data["reload_latency"], pm),
         _weight_transfer(data["weight_transfer"], pm),
         _tp_load(data["tp_load"], pm),
         _quant_kernels(data["quant_kernels"], pm),
     ]
+    if ("suite", "cpu") in latest:
+        parts.append(_targets(latest[("suite", "cpu")][1], "CPU"))
+    for device in sorted({d for _, d in latest if d != "cpu"}):
+        parts.append(_gpu_section(device, {b: v[1] for (b, d), v in latest.items() if d == device}))
     return "\n\n".join(parts) + "\n"
 
 

@@ -1,23 +1,34 @@
 """Hot-reload latency: an in-memory BF16 stream (as from an RL trainer) and a checkpoint on disk,
-into a live FP8 model and a live BF16 model, against the floor of copying the same BF16 tensors.
+into a live model of every scheme, against the floor of copying the same BF16 tensors.
 
-floor: ``dst.copy_(src)`` of every checkpoint tensor into preallocated BF16 tensors of the same
-shapes (the least any in-place reload must do). Each figure is the best of ``--repeats`` runs.
+floor: ``dst.copy_(src)`` of every stream tensor into preallocated device tensors of the same shapes
+(the least any in-place reload must do; on CUDA the host tensors are pinned and the copies
+non-blocking: the H2D copy floor). The stream is the same host tensors (pinned on CUDA). Per scheme:
+the first reload (one-time compiles included) and the best of ``--repeats`` more, from the stream
+and from the checkpoint directory (page cache warm), each over the floor (``over_floor``). Everything
+runs in one fresh process, which prints each row as it is measured: a run cut off by ``--timeout``
+keeps the rows it finished.
 
-    python -m layerwise.benchmarks.reload_latency [--size default|small] [--device cpu|cuda] [--out-dir DIR]
+    python -m layerwise.benchmarks.reload_latency [--size small|default|0.9b|8b] [--device cpu|cuda]
+        [--schemes none,fp8-per-tensor,...] [--repeats N] [--timeout S] [--out-dir DIR]
 
-Writes DIR/<name>.json (seconds per case and / floor) and prints the table.
+Writes DIR/<name>.json (seconds per case and / floor, where it ran) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 import layerwise
+from layerwise.benchmarks.checkpoints import SIZES, checkpoint_bytes, make_checkpoint
+from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
     RESULTS_NOTE,
     add_output_arguments,
@@ -26,35 +37,116 @@ from layerwise.benchmarks.options import (
     require,
     write_json,
 )
-from layerwise.benchmarks.peak_memory import SIZES, describe_machine, make_checkpoint
 from layerwise.benchmarks.readme import reload_latency_table
-from layerwise.benchmarks.timing import best_of
+from layerwise.benchmarks.workers import WorkerResult, run_worker
 from layerwise.checkpoint import Checkpoint
 
+SCHEMES = ["none", "fp8-per-tensor", "fp8-per-channel", "fp8-per-block", "torchao:Float8WeightOnlyConfig"]
 
-def run(size: str, device: str, repeats: int, cache: Path) -> dict:
-    """Reload the ``size`` checkpoint (generated under ``cache`` if needed) into live FP8 and BF16 models;
-    returns the result that main writes as JSON (seconds, ratios to the floor)."""
+
+def scheme_label(scheme: str) -> str:
+    """The scheme as the table names it ("none (bf16)" for the checkpoint dtype)."""
+    return "none (bf16)" if scheme == "none" else scheme
+
+
+def _times(fn, device: torch.device, runs: int) -> list[float]:
+    """Seconds of each of ``runs`` calls of ``fn`` (CUDA synchronized around each)."""
+    out = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def host_stream(path: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor copied into host memory (pinned when ``device`` is CUDA), in checkpoint
+    order: the trainer's BF16 weights."""
+    pin = device.type == "cuda"
+    return [(k, torch.empty_like(t, pin_memory=pin).copy_(t)) for k, t in Checkpoint(path)]
+
+
+def worker(path: str, device: str, schemes: list[str], repeats: int):
+    """Yields the floor row, then per scheme its in-memory-stream row and its from-disk row (seconds)."""
     device = torch.device(device)
-    path = make_checkpoint(size, cache)
-    stream = [(k, t.clone()) for k, t in Checkpoint(path)]  # the trainer's BF16 tensors, in host memory
+    if device.type == "cuda":
+        torch.empty(1, device=device)
+    stream = host_stream(path, device)
     stream_bytes = sum(t.numel() * t.element_size() for _, t in stream)
     floor_dst = {k: torch.empty_like(t, device=device) for k, t in stream}
-    floor = best_of(lambda: [floor_dst[k].copy_(t) for k, t in stream], device, repeats, warmup=False)
-    rows = [{"case": "floor: copy_ BF16 tensors", "seconds": floor, "gbps": stream_bytes / floor / 1e9}]
-    for quantization in ("fp8", None):
-        model = layerwise.load_model(path, quantization=quantization, device=device)
-        name = "fp8-per-tensor" if quantization else "none (bf16)"
-        memory = best_of(functools.partial(layerwise.reload_weights, model, stream), device, repeats, warmup=False)
-        disk = best_of(functools.partial(layerwise.reload_weights, model, path), device, repeats, warmup=False)
-        rows.append({"case": f"{name}: in-memory stream", "seconds": memory, "over_floor": memory / floor})
-        rows.append({"case": f"{name}: from disk (page cache warm)", "seconds": disk, "over_floor": disk / floor})
+    copy = functools.partial(_copy_all, floor_dst, stream, device.type == "cuda")
+    first, *rest = _times(copy, device, repeats + 1)  # the first copy touches the destination pages
+    floor = min(rest)
+    yield {
+        "case": "floor: copy_ BF16 tensors",
+        "source": "floor",
+        "seconds": floor,
+        "first_seconds": first,
+        "gbps": stream_bytes / floor / 1e9,
+        "stream_bytes": stream_bytes,
+        "pinned": device.type == "cuda",
+    }
+    del floor_dst
+    for scheme in schemes:
+        model = layerwise.load_model(path, quantization=scheme, device=device)
+        sources = ((stream, "stream", "in-memory stream"), (path, "dir", "from disk (page cache warm)"))
+        for source, weights, what in sources:
+            first, *rest = _times(functools.partial(layerwise.reload_weights, model, source), device, repeats + 1)
+            best = min(rest)
+            yield {
+                "case": f"{scheme_label(scheme)}: {what}",
+                "scheme": scheme,
+                "source": weights,
+                "seconds": best,
+                "first_seconds": first,
+                "over_floor": best / floor,
+            }
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _copy_all(dst: dict, stream: list, non_blocking: bool) -> None:
+    for k, t in stream:
+        dst[k].copy_(t, non_blocking=non_blocking)
+
+
+def run(
+    size: str,
+    device: str,
+    repeats: int,
+    cache: Path,
+    schemes: list[str] | None = None,
+    timeout: float | None = None,
+    skipped: dict[str, str] | None = None,
+) -> dict:
+    """Reload the ``size`` checkpoint (generated under ``cache`` if needed) into a live model of each scheme,
+    in one fresh process cut off after ``timeout`` seconds; returns the result that main writes as JSON
+    (seconds, ratios to the floor; ``skipped``: scheme -> why it was not run, recorded as such)."""
+    path = make_checkpoint(size, cache, device=device, verbose=True)
+    schemes = SCHEMES if schemes is None else schemes
+    skipped = skipped or {}
+    todo = [s for s in schemes if s not in skipped]
+    kwargs = dict(path=str(path), device=device, schemes=todo, repeats=repeats)
+    out = run_worker("reload_latency", "worker", kwargs, timeout) if todo else WorkerResult()
+    rows = out.rows
+    if out.error:
+        rows.append({"case": "did not finish", "error": out.error})
+        print(f"  reload_latency: did not finish: {out.error}", file=sys.stderr)
+    rows += [{"case": f"{scheme_label(s)}: not run", "scheme": s, "error": why} for s, why in skipped.items()]
+    shape = {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
+    floor = next((r for r in rows if r.get("source") == "floor"), {})
     return {
         "benchmark": "reload_latency",
-        "size": size,
+        **provenance(device, size, shape),
         "device": str(device),
         "checkpoint": str(path),
-        "stream_bytes": stream_bytes,
+        "stream_bytes": floor.get("stream_bytes", checkpoint_bytes(SIZES[size])),
         "repeats": repeats,
         "machine": describe_machine(str(device)),
         "results": rows,
@@ -75,12 +167,25 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--repeats", type=positive_int, default=3, help="best of this many runs (default: 3)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, help="best of this many runs after the first (default: 3)"
+    )
+    parser.add_argument(
+        "--schemes",
+        default=",".join(SCHEMES),
+        metavar="S1,S2,...",
+        help=f"schemes of the live model (default: {','.join(SCHEMES)}; torchao ones need torchao)",
+    )
+    parser.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds the run may take")
     add_output_arguments(parser, default_name="reload_latency_<device>_<size>")
     args = parser.parse_args(argv)
-    require(["transformers"], purpose="python -m layerwise.benchmarks.reload_latency")
+    schemes = args.schemes.split(",")
+    require(
+        ["transformers"] + (["torchao"] if any("torchao" in s for s in schemes) else []),
+        purpose="python -m layerwise.benchmarks.reload_latency",
+    )
 
-    result = run(args.size, args.device, args.repeats, args.cache_dir or default_cache_dir())
+    result = run(args.size, args.device, args.repeats, args.cache_dir or default_cache_dir(), schemes, args.timeout)
     path = write_json(result, args.out_dir, args.name or f"reload_latency_{args.device}_{args.size}")
     print(reload_latency_table(result))
     print(f"written to {path}")

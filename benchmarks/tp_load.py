@@ -18,8 +18,9 @@ import queue
 import socket
 from pathlib import Path
 
+from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, default_cache_dir, require, write_json
-from layerwise.benchmarks.peak_memory import SIZES, describe_machine, make_checkpoint
 
 WAIT_SECONDS = 600.0  # bound on every wait for a rank's result
 
@@ -115,6 +116,8 @@ def main(argv=None) -> int:
         )
     result = {
         "benchmark": "tp_load",
+        **provenance("cpu", args.size, {k: v for k, v in SIZES[args.size].items() if k != "max_shard_size"}),
+        "device": "cpu",
         "machine": describe_machine("cpu"),
         "checkpoint": {"size": args.size, **{k: v for k, v in SIZES[args.size].items() if k != "max_shard_size"}},
         "quantization": args.quantization,

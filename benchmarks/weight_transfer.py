@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
     RESULTS_NOTE,
     add_output_arguments,
@@ -53,7 +55,6 @@ from layerwise.benchmarks.options import (
     require,
     write_json,
 )
-from layerwise.benchmarks.peak_memory import SIZES, describe_machine, make_checkpoint
 from layerwise.benchmarks.readme import weight_transfer_table
 
 TARGET_TIME_OVER_FLOOR = 1.5  # packed update / floor (issue 11)
@@ -499,7 +500,7 @@ def _run(size, device, repeats, cache, bucket_bytes, timeout_seconds, threads) -
         bench.close()
     return {
         "benchmark": "weight_transfer",
-        "size": size,
+        **provenance(str(bench.device), size, {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}),
         "device": str(bench.device),
         "backend": "nccl (gloo)" if bench.device.type == "cpu" else "nccl (NCCL)",
         "checkpoint": str(path),

@@ -2,15 +2,18 @@
 asserted), and the README's results section is generated from the committed JSON."""
 
 import hashlib
+import importlib.util
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from layerwise import cli
-from layerwise.benchmarks import peak_memory, quant_kernels, readme, reload_latency
+from layerwise.benchmarks import checkpoints, peak_memory, quant_kernels, readme, reload_latency
 from layerwise.errors import MissingDependencyError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +29,21 @@ def _snapshot(folder: Path) -> dict:
     }
 
 
+def _check_provenance(result: dict, device: str, size: str | None) -> None:
+    """The fields every results JSON carries (issue 14): device name, versions, commit, date, size and shape."""
+    from layerwise.benchmarks.machine import cpu_model
+
+    assert result["device_name"] == (cpu_model() if device == "cpu" else torch.cuda.get_device_name())
+    assert result["versions"]["torch"] == torch.__version__
+    for package in ("triton", "transformers", "torchao"):
+        assert package in result["versions"]
+    assert re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?|unknown", result["commit"]), result["commit"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", result["date"])
+    assert result["size"] == size
+    if size is not None:
+        assert result["shape"]["hidden_size"] == checkpoints.SIZES[size]["hidden_size"]
+
+
 def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "cache"))
@@ -35,7 +53,8 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
     assert _snapshot(REFERENCE) == reference  # a default run leaves the committed results alone
     out = tmp_path / "layerwise-results"
     assert sorted(p.name for p in out.iterdir()) == ["peak_memory_cpu_small.json", "peak_memory_cpu_small.png"]
-    assert (tmp_path / "cache" / "bench" / "llama-small" / "config.json").exists()  # the default cache dir
+    assert peak_memory.make_checkpoint("small", tmp_path / "cache" / "bench").parent == tmp_path / "cache" / "bench"
+    assert (checkpoints.checkpoint_dir("small", tmp_path / "cache" / "bench") / "config.json").exists()  # default
     result = json.loads((out / "peak_memory_cpu_small.json").read_text())
     assert (out / "peak_memory_cpu_small.png").stat().st_size > 10_000
     assert result["largest_layer_checkpoint_bytes"] > 0 and result["machine"]["torch"]
@@ -49,11 +68,20 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
             "peak_over_final",
             "overhead_over_largest_layer",
             "seconds",
+            "first_seconds",
+            "second_seconds",
+            "first_minus_second_seconds",
             "time_over_floor",
+            "first_over_floor",
             "timeline",
         ):
             assert field in r, (r["method"], field)
         assert r["peak_bytes"] >= r["final_bytes"] > 0
+        assert r["load_seconds"] == [r["first_seconds"], r["second_seconds"]]  # --loads 2 (the default)
+        assert r["first_minus_second_seconds"] == r["first_seconds"] - r["second_seconds"]
+        assert r["time_over_floor"] == r["seconds"] / rows["floor-read-copy"]["seconds"]
+        assert r["first_over_floor"] == r["first_seconds"] / rows["floor-read-copy"]["seconds"]
+    _check_provenance(result, "cpu", "small")
     # the same tracker sees the naive path hold the whole BF16 model, and layerwise not
     assert rows["naive-bf16-then-fp8"]["peak_bytes"] > rows["layerwise-fp8-per-tensor"]["peak_bytes"]
 
@@ -72,18 +100,30 @@ def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(t
                 "rl",
                 "--cache-dir",
                 str(tmp_path / "cache"),
+                "--schemes",
+                "none,fp8-per-tensor,fp8-per-block",
             ]
         )
         == 0
     )
-    cases = {r["case"]: r for r in json.loads((tmp_path / "new" / "dir" / "rl.json").read_text())["results"]}
+    result = json.loads((tmp_path / "new" / "dir" / "rl.json").read_text())
+    _check_provenance(result, "cpu", "small")
+    cases = {r["case"]: r for r in result["results"]}
+    floor = cases["floor: copy_ BF16 tensors"]
+    assert floor["stream_bytes"] == result["stream_bytes"] == checkpoints.checkpoint_bytes(checkpoints.SIZES["small"])
+    assert floor["pinned"] is False  # pinned host memory is for CUDA
     for name in (
         "fp8-per-tensor: in-memory stream",
         "none (bf16): in-memory stream",
         "fp8-per-tensor: from disk (page cache warm)",
+        "fp8-per-block: from disk (page cache warm)",
     ):
-        assert cases[name]["seconds"] > 0 and cases[name]["over_floor"] > 0
-    config = tmp_path / "cache" / "llama-small" / "config.json"
+        assert cases[name]["seconds"] > 0 and cases[name]["first_seconds"] > 0
+        assert cases[name]["over_floor"] == cases[name]["seconds"] / floor["seconds"]
+    assert {(r["scheme"], r["source"]) for r in result["results"] if "scheme" in r} == {
+        (s, source) for s in ("none", "fp8-per-tensor", "fp8-per-block") for source in ("stream", "dir")
+    }
+    config = checkpoints.checkpoint_dir("small", tmp_path / "cache") / "config.json"
     written = config.stat().st_mtime_ns
     assert peak_memory.make_checkpoint("small", tmp_path / "cache") == config.parent
     assert config.stat().st_mtime_ns == written  # generated once
@@ -91,7 +131,9 @@ def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(t
 
 def test_quant_kernels_writes_json_to_out_dir(tmp_path):
     assert quant_kernels.main(["--shapes", "64x96", "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "quant_kernels_cpu.json").read_text())["results"]
+    result = json.loads((tmp_path / "quant_kernels_cpu.json").read_text())
+    _check_provenance(result, "cpu", None)
+    rows = result["results"]
     assert {r["scheme"] for r in rows} == {"fp8-per-tensor", "fp8-per-channel", "fp8-per-block"}
     assert all(r["gbps"] > 0 and r["clone_gbps"] > 0 and r["ratio_to_clone"] > 0 for r in rows)
 
@@ -128,11 +170,24 @@ def test_missing_dependency_is_reported_before_any_work(tmp_path, monkeypatch):
     assert not (tmp_path / "c").exists()
 
 
-def test_required_modules_follow_the_methods_and_device():
+def test_required_modules_follow_the_methods_and_device(monkeypatch):
     assert peak_memory.required_modules(["layerwise-fp8-per-tensor"], "cpu") == ["transformers", "matplotlib"]
     assert "torchao" in peak_memory.required_modules(["layerwise-torchao:Float8WeightOnlyConfig"], "cpu")
-    assert "accelerate" not in peak_memory.required_modules(["hf-TorchAoConfig"], "cpu")
-    assert "accelerate" in peak_memory.required_modules(["hf-TorchAoConfig"], "cuda")
+    # device_map needs accelerate; without it the HF methods load on the CPU and move the model
+    assert "accelerate" not in peak_memory.required_modules(["hf-TorchAoConfig"], "cuda")
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # find_spec raises ValueError for None entries
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("accelerate", "torchao") else real(name, *a)
+    )
+    assert peak_memory._hf_placement(torch.device("cuda")) == ({}, torch.device("cuda"))
+    assert "accelerate is not installed" in peak_memory.hf_placement_note(torch.device("cuda"))
+    assert peak_memory.missing_modules(peak_memory.METHODS) == {
+        "layerwise-torchao:Float8WeightOnlyConfig": "skipped: torchao is not installed",
+        "hf+torchao-quantize_": "skipped: torchao is not installed",
+        "hf-TorchAoConfig": "skipped: torchao is not installed",
+    }
 
 
 def test_readme_section_is_generated_from_the_committed_results():
@@ -142,7 +197,7 @@ def test_readme_section_is_generated_from_the_committed_results():
 def test_readme_follows_a_changed_figure(tmp_path):
     results = tmp_path / "benchmarks" / "results"
     shutil.copytree(REFERENCE, results)
-    path = results / "reload_latency_cpu_default.json"
+    path = results / f"{readme.latest_results(results)[('reload_latency', 'cpu')][0]}.json"  # the one shown
     data = json.loads(path.read_text())
     data["results"][0]["seconds"] = 0.1234
     path.write_text(json.dumps(data))
@@ -172,3 +227,72 @@ def test_tp_load_small_reads_a_share_per_rank(tmp_path):
     for rank in runs[2]:  # half of the sharded weights plus the replicated ones (norms)
         assert 0.5 * whole <= rank["bytes_read"] < 0.55 * whole
         assert rank["model_bytes"] < 0.55 * runs[1][0]["model_bytes"] and rank["peak_bytes"] >= rank["model_bytes"]
+
+
+def test_decode_step_small_median_ms_and_ratio_to_bf16(tmp_path):
+    from layerwise.benchmarks import decode_step
+
+    args = ["--size", "small", "--configs", "none,fp8-per-tensor/w8a16", "--steps", "2", "--warmup", "1"]
+    assert decode_step.main([*args, "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]) == 0
+    result = json.loads((tmp_path / "decode_step_cpu_small.json").read_text())
+    _check_provenance(result, "cpu", "small")
+    assert result["batch"] == 8 and result["position"] == result["max_seq_len"] // 2
+    rows = {r["config"]: r for r in result["results"]}
+    assert set(rows) == {"none", "fp8-per-tensor/w8a16"}
+    bf16, fp8 = rows["none"], rows["fp8-per-tensor/w8a16"]
+    assert "error" not in bf16 and "error" not in fp8, (bf16, fp8)
+    assert (fp8["scheme"], fp8["fp8_mode"], fp8["steps"], fp8["cuda_graph"]) == ("fp8-per-tensor", "w8a16", 2, False)
+    assert fp8["ms"] >= fp8["min_ms"] > 0 and bf16["over_bf16"] == 1.0
+    assert fp8["over_bf16"] == fp8["ms"] / bf16["ms"]
+
+
+def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_path):
+    """The suite driver on a tiny checkpoint: every JSON written, the GPU-only part recorded as skipped,
+    the issue's ratios as explicit fields; then the README section from those results, as CPU results and
+    relabelled as a GPU's (the GPU part of the section, without a GPU)."""
+    from layerwise.benchmarks import suite
+
+    out = tmp_path / "out"
+    args = ["--size", "small", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--budget", "300"]
+    subsets = ["--methods", "floor-read-copy,layerwise-fp8-per-tensor", "--schemes", "none,fp8-per-tensor"]
+    assert suite.main([*args, *subsets]) == 0
+    names = ["decode_step", "peak_memory", "reload_latency", "suite"]
+    assert sorted(p.name for p in out.glob("*.json")) == [f"{n}_cpu_small.json" for n in names]
+    data = {n: json.loads((out / f"{n}_cpu_small.json").read_text()) for n in names}
+    for result in data.values():
+        _check_provenance(result, "cpu", "small")
+    summary = data["suite"]
+    assert summary["total_seconds"] < summary["budget_seconds"] and summary["generation_seconds"] >= 0
+    assert all(r["error"].startswith("skipped: GPU-only") for r in data["decode_step"]["results"])
+    pm = {r["method"]: r for r in data["peak_memory"]["results"]}
+    rl = {(r.get("scheme"), r.get("source")): r for r in data["reload_latency"]["results"]}
+    ours = pm["layerwise-fp8-per-tensor"]
+    assert summary["load_over_floor"] == {"fp8-per-tensor": ours["seconds"] / pm["floor-read-copy"]["seconds"]}
+    assert summary["first_load_over_floor"] == {"fp8-per-tensor": ours["first_over_floor"]}
+    assert summary["first_minus_second_load_seconds"] == {
+        "fp8-per-tensor": ours["first_seconds"] - ours["second_seconds"]
+    }
+    floor = rl[(None, "floor")]["seconds"]
+    for scheme in ("none", "fp8-per-tensor"):
+        for source in ("dir", "stream"):
+            assert summary[f"reload_{source}_over_copy_floor"][scheme] == rl[(scheme, source)]["seconds"] / floor
+        assert summary["met"][f"reload stream {scheme}"] == (rl[(scheme, "stream")]["seconds"] / floor <= 2.0)
+    assert summary["met"]["load fp8-per-tensor"] == (summary["load_over_floor"]["fp8-per-tensor"] <= 1.5)
+    assert summary["decode_over_bf16"] == {}
+
+    # the README section: the newest CPU results win over the committed ones, and a GPU gets its own part
+    results = tmp_path / "results"
+    shutil.copytree(REFERENCE, results)
+    for name in names:
+        shutil.copy(out / f"{name}_cpu_small.json", results)
+        gpu = dict(data[name], device="cuda", device_name="NVIDIA H100 80GB HBM3")
+        (results / f"{name}_cuda_small.json").write_text(json.dumps(gpu))
+    text = readme.section(results, tmp_path / "README.md")
+    cpu_part, gpu_part = text.split("### On NVIDIA H100 80GB HBM3")
+    assert readme.peak_memory_table(data["peak_memory"]) in cpu_part  # newest CPU table, first-load columns
+    assert "| first load s |" in cpu_part and "#### Issue 14 targets (CPU)" in cpu_part
+    assert readme.targets_table(summary) in cpu_part
+    for table in ("peak_memory", "reload_latency"):
+        assert getattr(readme, f"{table}_table")(data[table]) in gpu_part
+    assert readme.decode_table(data["decode_step"]) in gpu_part and "#### Issue 14 targets" in gpu_part
+    assert f"commit {summary['commit']}" in gpu_part

@@ -1,0 +1,263 @@
+"""The whole benchmark suite of issue 14 in one run, under one time budget, on one checkpoint.
+
+    python -m layerwise.benchmarks.suite --device cuda --size 8b --out-dir DIR [--budget 500]
+
+1. generates the ``--size`` checkpoint (or reuses it; on CUDA the values are drawn on the GPU);
+2. ``peak_memory``: the floor, layerwise for every FP8 scheme and a torchao config (first and second load
+   in a fresh process each), transformers + torchao ``quantize_``, transformers ``TorchAoConfig``;
+3. ``reload_latency``: every scheme, from the checkpoint directory and from a pinned in-memory stream,
+   against the H2D copy floor;
+4. ``decode_step`` (CUDA only): FP8 per-tensor, per-channel and per-block as W8A8 and W8A16, and torchao
+   configs, against BF16, batch 8, CUDA graphs.
+
+Each part runs in fresh processes with its share of the budget; a part (or a method) that needs a missing
+optional module, does not apply to the device, fails or runs out of time is recorded with its reason, and
+the suite still writes every JSON. Writes DIR/peak_memory_<device>_<size>.json (+ .png),
+DIR/reload_latency_<device>_<size>.json, DIR/decode_step_<device>_<size>.json and
+DIR/suite_<device>_<size>.json: the issue's ratios as explicit fields, each with its target and whether it
+is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from layerwise.benchmarks import decode_step, peak_memory, reload_latency
+from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.machine import describe_machine, provenance
+from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, default_cache_dir, write_json
+
+# issue 14's targets (ratios; a target, not a measurement)
+LOAD_OVER_FLOOR = 1.5  # FP8 load / floor: steady state on CPU, the first load in a process on GPU
+FIRST_MINUS_SECOND_CPU = 1.0  # seconds, CPU
+RELOAD_STREAM_OVER_COPY_FLOOR = {"cpu": 2.0, "cuda": 1.5}
+DECODE_W8A8_OVER_BF16 = 0.7
+DECODE_W8A16_OVER_BF16 = 1.0
+FP8_SCHEMES = ("fp8-per-tensor", "fp8-per-channel", "fp8-per-block")
+# shares of the time left when a part starts (the last part gets the rest)
+SHARES = {"peak_memory": 0.5, "reload_latency": 0.55}
+
+
+def _torchao_missing() -> str | None:
+    return None if importlib.util.find_spec("torchao") else "skipped: torchao is not installed"
+
+
+def _by(rows: list[dict], key: str) -> dict[str, dict]:
+    return {r[key]: r for r in rows if key in r and "error" not in r}
+
+
+def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> dict:
+    """The issue's ratios as explicit fields, from the three results (None: the part did not run).
+
+    Returns {field: {scheme or config: value}} plus ``met``: {target name: bool} for each measured target.
+    """
+    kind = torch.device(device).type
+    out: dict = {
+        "load_over_floor": {},
+        "first_load_over_floor": {},
+        "first_minus_second_load_seconds": {},
+        "reload_dir_over_copy_floor": {},
+        "reload_stream_over_copy_floor": {},
+        "decode_over_bf16": {},
+        "met": {},
+        "targets": {
+            "load_over_floor": LOAD_OVER_FLOOR,
+            "first_minus_second_load_seconds": FIRST_MINUS_SECOND_CPU,
+            "reload_stream_over_copy_floor": RELOAD_STREAM_OVER_COPY_FLOOR[kind if kind == "cuda" else "cpu"],
+            "decode_w8a8_over_bf16": DECODE_W8A8_OVER_BF16,
+            "decode_w8a16_over_bf16": DECODE_W8A16_OVER_BF16,
+        },
+    }
+    if pm:
+        for method, r in _by(pm["results"], "method").items():
+            if not method.startswith("layerwise-") or "time_over_floor" not in r:
+                continue
+            scheme = method[len("layerwise-") :]
+            out["load_over_floor"][scheme] = r["time_over_floor"]
+            out["first_load_over_floor"][scheme] = r["first_over_floor"]
+            if "first_minus_second_seconds" in r:
+                out["first_minus_second_load_seconds"][scheme] = r["first_minus_second_seconds"]
+            # the load target: GPU counts the first load in a fresh process, CPU the steady state
+            ratio = r["first_over_floor"] if kind == "cuda" else r["time_over_floor"]
+            out["met"][f"load {scheme}"] = ratio <= LOAD_OVER_FLOOR
+            if kind == "cpu" and "first_minus_second_seconds" in r:
+                out["met"][f"first-load cost {scheme}"] = r["first_minus_second_seconds"] <= FIRST_MINUS_SECOND_CPU
+    if rl:
+        for r in rl["results"]:
+            if "error" in r or r.get("source") not in ("dir", "stream"):
+                continue
+            out[f"reload_{r['source']}_over_copy_floor"][r["scheme"]] = r["over_floor"]
+            if r["source"] == "stream":
+                limit = out["targets"]["reload_stream_over_copy_floor"]
+                out["met"][f"reload stream {r['scheme']}"] = r["over_floor"] <= limit
+    if ds:
+        for config, r in _by(ds["results"], "config").items():
+            if "over_bf16" not in r or config == "none":
+                continue
+            out["decode_over_bf16"][config] = r["over_bf16"]
+            scheme, mode = decode_step.parse_config(config)
+            if scheme in FP8_SCHEMES:
+                limit = DECODE_W8A8_OVER_BF16 if mode == "w8a8" else DECODE_W8A16_OVER_BF16
+                out["met"][f"decode {config}"] = r["over_bf16"] <= limit
+    return out
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def run(
+    size: str,
+    device: str,
+    out_dir: Path,
+    cache: Path,
+    budget: float,
+    parts: list[str],
+    methods: list[str] | None = None,
+    schemes: list[str] | None = None,
+    configs: list[str] | None = None,
+) -> dict:
+    """Run the parts in order within ``budget`` seconds; writes each part's JSON and returns the summary
+    (written by main). ``methods``, ``schemes``, ``configs``: subsets of peak_memory's methods, reload_latency's
+    schemes and decode_step's configurations (default: all)."""
+    start = time.monotonic()
+    deadline = start + budget
+    kind = torch.device(device).type
+    t = time.perf_counter()
+    path = make_checkpoint(size, cache, device=device, verbose=True)
+    generation = time.perf_counter() - t
+    torchao = _torchao_missing()
+    written, seconds, results = {}, {}, {}
+
+    def finish(part: str, result: dict, began: float) -> None:
+        seconds[part] = time.monotonic() - began
+        results[part] = result
+        name = f"{part}_{device.replace(':', '')}_{size}"
+        written[part] = str(write_json(result, out_dir, name))
+        if part == "peak_memory":
+            peak_memory.plot(result, out_dir / f"{name}.png")
+        print(f"suite: {part} done in {seconds[part]:.0f} s ({_left(deadline):.0f} s left)", file=sys.stderr)
+
+    if "peak_memory" in parts:
+        began = time.monotonic()
+        methods = methods or peak_memory.METHODS
+        skipped = peak_memory.missing_modules(methods)
+        if kind == "cuda":  # not one of the issue's figures, and a whole BF16 model on the GPU: time for others
+            skipped["naive-bf16-then-fp8"] = "skipped: not part of the GPU suite (run layerwise bench for it)"
+        share = _left(deadline) * SHARES["peak_memory"]
+        result = peak_memory.run(
+            size,
+            device,
+            methods,
+            cache,
+            loads=2,
+            hf_loads=1,
+            timeout=max(45.0, share / 3),  # no one method may starve the others
+            skipped=skipped,
+            deadline=began + share,
+        )
+        finish("peak_memory", result, began)
+    if "reload_latency" in parts:
+        began = time.monotonic()
+        schemes = schemes or reload_latency.SCHEMES
+        skipped = {s: torchao for s in schemes if torchao and "torchao" in s}
+        repeats = 2 if kind == "cuda" else 3
+        result = reload_latency.run(
+            size, device, repeats, cache, schemes, timeout=_left(deadline) * SHARES["reload_latency"], skipped=skipped
+        )
+        finish("reload_latency", result, began)
+    if "decode_step" in parts:
+        began = time.monotonic()
+        configs = configs or decode_step.CONFIGS
+        if kind == "cuda":
+            skipped = {c: torchao for c in configs if torchao and "torchao" in c}
+        else:
+            skipped = {c: "skipped: GPU-only (the issue's decode step is a CUDA-graph step on a GPU)" for c in configs}
+        result = decode_step.run(
+            size, device, cache, configs, steps=20, warmup=3, timeout=max(_left(deadline) - 5, 1), skipped=skipped
+        )
+        finish("decode_step", result, began)
+
+    shape = {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
+    return {
+        "benchmark": "suite",
+        **provenance(device, size, shape),
+        "device": device,
+        "checkpoint": str(path),
+        "generation_seconds": generation,
+        "budget_seconds": budget,
+        "part_seconds": seconds,
+        "total_seconds": time.monotonic() - start,
+        "files": written,
+        "torchao": torchao or "installed",
+        "hf_placement": peak_memory.hf_placement_note(torch.device(device)),
+        "machine": describe_machine(device),
+        **targets(device, results.get("peak_memory"), results.get("reload_latency"), results.get("decode_step")),
+    }
+
+
+def main(argv=None) -> int:
+    """Parse ``argv``, run the suite, write DIR/suite_<device>_<size>.json, print the ratios."""
+    parser = argparse.ArgumentParser(
+        prog="python -m layerwise.benchmarks.suite",
+        description=__doc__,
+        epilog=RESULTS_NOTE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=500.0,
+        metavar="S",
+        help="seconds for the whole run, generation included (default: 500, for a 9-minute job)",
+    )
+    parser.add_argument(
+        "--parts",
+        default="peak_memory,reload_latency,decode_step",
+        metavar="P1,P2",
+        help="which parts to run (default: all three)",
+    )
+    for option, choices in (
+        ("--methods", peak_memory.METHODS),
+        ("--schemes", reload_latency.SCHEMES),
+        ("--configs", decode_step.CONFIGS),
+    ):
+        parser.add_argument(option, default=None, metavar="A,B", help=f"a subset of {','.join(choices)} (default: all)")
+    add_output_arguments(parser, default_name="suite_<device>_<size>")
+    args = parser.parse_args(argv)
+    subsets = {}
+    for option, choices in (
+        ("methods", peak_memory.METHODS),
+        ("schemes", reload_latency.SCHEMES),
+        ("configs", decode_step.CONFIGS),
+    ):
+        chosen = getattr(args, option).split(",") if getattr(args, option) else None
+        if chosen and set(chosen) - set(choices):
+            parser.error(f"unknown {option}: {', '.join(sorted(set(chosen) - set(choices)))}")
+        subsets[option] = chosen
+    parts = args.parts.split(",")
+    unknown = set(parts) - {"peak_memory", "reload_latency", "decode_step"}
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(sorted(unknown))}")
+    if importlib.util.find_spec("transformers") is None:
+        parser.error("transformers is needed (it writes the checkpoint's config.json): pip install transformers")
+    cache = args.cache_dir or default_cache_dir()
+    summary = run(args.size, args.device, args.out_dir, cache, args.budget, parts, **subsets)
+    path = write_json(summary, args.out_dir, args.name or f"suite_{args.device.replace(':', '')}_{args.size}")
+    from layerwise.benchmarks.readme import targets_table
+
+    print(targets_table(summary))
+    print(f"written to {path} (total {summary['total_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""Run a benchmark function in a fresh interpreter, under a time limit, and keep what it measured.
+
+A worker is a generator function in a ``layerwise.benchmarks`` module that yields result rows (dicts of
+JSON values). :func:`run_worker` runs it in a new process (``python -m layerwise.benchmarks.workers``), which
+prints each row as one line prefixed by ``ROW_PREFIX`` as soon as it is measured, so the rows measured
+before a crash or the time limit are kept; other output (warnings, progress) is ignored but for the last
+line of stderr, which becomes the reason a worker did not finish.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+ROW_PREFIX = "@@layerwise-row "
+
+
+@dataclass
+class WorkerResult:
+    """What a worker process left: its rows (in order) and, when it did not finish, why."""
+
+    rows: list[dict] = field(default_factory=list)
+    error: str | None = None  # None: exited 0; else "timed out after N s" or the last line of stderr
+    seconds: float = 0.0  # wall time of the process
+
+
+def _rows(stdout: str | bytes | None) -> list[dict]:
+    if isinstance(stdout, bytes):
+        stdout = stdout.decode(errors="replace")
+    return [json.loads(line[len(ROW_PREFIX) :]) for line in (stdout or "").splitlines() if line.startswith(ROW_PREFIX)]
+
+
+def run_worker(module: str, function: str, kwargs: dict, timeout: float | None = None) -> WorkerResult:
+    """Run ``layerwise.benchmarks.<module>.<function>(**kwargs)`` in a fresh interpreter (``module`` may also
+    be a full dotted name: "pkg.mod").
+
+    Args:
+        kwargs: JSON-serializable keyword arguments.
+        timeout: seconds before the process is killed (None: no limit).
+    Returns:
+        a :class:`WorkerResult`; never raises for a failing or slow worker.
+    """
+    import time
+
+    cmd = [sys.executable, "-m", "layerwise.benchmarks.workers", module, function, json.dumps(kwargs)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return WorkerResult(_rows(e.stdout), f"timed out after {timeout:.0f} s", time.perf_counter() - start)
+    result = WorkerResult(_rows(proc.stdout), None, time.perf_counter() - start)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        result.error = lines[-1] if lines else f"exit status {proc.returncode}, no output"
+    return result
+
+
+def main(argv: list[str]) -> int:
+    """Entry of the worker process: ``MODULE FUNCTION KWARGS_JSON``; prints each yielded row at once."""
+    module, function, kwargs = argv
+    fn = getattr(importlib.import_module(module if "." in module else f"layerwise.benchmarks.{module}"), function)
+    for row in fn(**json.loads(kwargs)):
+        print(ROW_PREFIX + json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
