@@ -63,11 +63,23 @@ def _times(fn, device: torch.device, runs: int) -> list[float]:
     return out
 
 
-def host_stream(path: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor copied into host memory (pinned when ``device`` is CUDA), in checkpoint
-    order: the trainer's BF16 weights."""
-    pin = device.type == "cuda"
-    return [(k, torch.empty_like(t, pin_memory=pin).copy_(t)) for k, t in Checkpoint(path)]
+def host_stream(path: str, device: torch.device | str) -> list[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor copied into host memory, in checkpoint order: the trainer's BF16 weights, as
+    views of one buffer, pinned for a CUDA ``device`` (one pinned allocation of the stream's size; pinning
+    tensor by tensor would round each up to a power of two)."""
+    device = torch.device(device)
+    tensors = list(Checkpoint(path))
+    align = 256  # bytes: every view starts aligned, as an allocation would
+    offsets, total = [], 0
+    for _, t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // align) * align
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    stream = []
+    for (k, t), offset in zip(tensors, offsets, strict=True):
+        view = buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        stream.append((k, view.copy_(t)))
+    return stream
 
 
 def worker(path: str, device: str, schemes: list[str], repeats: int):

@@ -132,6 +132,8 @@ def run(
     t = time.perf_counter()
     path = make_checkpoint(size, cache, device=device, verbose=True)
     generation = time.perf_counter() - t
+    if kind == "cuda":
+        torch.cuda.empty_cache()  # the generator's blocks: the GPU is the workers' now
     torchao = _torchao_missing()
     written, seconds, results = {}, {}, {}
 

@@ -14,6 +14,7 @@ import torch
 
 from layerwise import cli
 from layerwise.benchmarks import checkpoints, peak_memory, quant_kernels, readme, reload_latency
+from layerwise.checkpoint import Checkpoint
 from layerwise.errors import MissingDependencyError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +124,17 @@ def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(t
     assert {(r["scheme"], r["source"]) for r in result["results"] if "scheme" in r} == {
         (s, source) for s in ("none", "fp8-per-tensor", "fp8-per-block") for source in ("stream", "dir")
     }
-    config = checkpoints.checkpoint_dir("small", tmp_path / "cache") / "config.json"
+    stream = reload_latency.host_stream(
+        str(config_dir := checkpoints.checkpoint_dir("small", tmp_path / "cache")), "cpu"
+    )
+
+    reference = list(Checkpoint(config_dir))
+    assert [k for k, _ in stream] == [k for k, _ in reference]
+    assert all(torch.equal(t, r) and t.shape == r.shape for (_, t), (_, r) in zip(stream, reference, strict=True))
+    assert len({t.untyped_storage().data_ptr() for _, t in stream}) == 1  # views of one buffer
+    base = stream[0][1].untyped_storage().data_ptr()
+    assert all((t.data_ptr() - base) % 256 == 0 for _, t in stream)  # each view starts 256-byte aligned
+    config = config_dir / "config.json"
     written = config.stat().st_mtime_ns
     assert peak_memory.make_checkpoint("small", tmp_path / "cache") == config.parent
     assert config.stat().st_mtime_ns == written  # generated once
