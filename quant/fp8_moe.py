@@ -17,9 +17,9 @@ Expert e's slice is exactly what the dense scheme makes of the [2I, H] (or [H, I
 kernels (``layerwise.kernels`` fp8_amax / scale_from_amax / fp8_quantize, with the scheme's kernel),
 so its bytes equal torch's own cast ``(w.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``. A
 per-block w13 is blocked as one [2I, H] matrix, so when I is not a multiple of 128 a block spans gate
-and up rows. The quantization runs in row chunks of about 1/8 of the expert (aligned to 128 rows for
-blocks), written straight into the expert's slice: the float32 work buffer and the FP8 temporary stay
-well below the expert's own checkpoint-dtype size.
+and up rows. The amax and the quantization run in tiles of about 1/8 of the expert (:func:`expert_tiles`, whole
+128-blocks for per-block scales), written straight into the expert's slice: the float32 work buffer and
+the FP8 temporary of a tile stay well below the expert's own checkpoint-dtype size.
 
 Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
 the expert's slice: W8A8 (``torch._scaled_mm``, activations quantized per tensor or per token) where
@@ -50,11 +50,22 @@ def expert_scale_shape(num_experts: int, n: int, k: int, granularity: str) -> tu
     return (num_experts, -(-n // BLOCK_SIZE[0]), -(-k // BLOCK_SIZE[1]))
 
 
-def _row_chunks(n_rows: int, align: int, parts: int = 8):
-    per_part = -(-n_rows // parts)  # ceil
-    step = -(-per_part // align) * align  # rounded up to whole blocks of rows
-    for r0 in range(0, n_rows, step):
-        yield r0, min(r0 + step, n_rows)
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def expert_tiles(n: int, k: int, align: int, parts: int) -> list[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) tiles covering an [n, k] matrix, each about 1/``parts`` of it, starting at multiples
+    of ``align`` (128 for blocks, so a tile holds whole scale blocks). Rows are split first; columns too
+    when ``align`` rows alone already exceed a part (an expert's w2 with H < 128 * parts)."""
+    target = max(1, -(-n * k // parts))
+    row_step = min(_round_up(n, align), max(align, _round_up(-(-n // parts), align)))
+    col_step = k if row_step * k <= 2 * target else min(k, max(align, _round_up(-(-target // row_step), align)))
+    return [
+        (r0, min(r0 + row_step, n), c0, min(c0 + col_step, k))
+        for r0 in range(0, n, row_step)
+        for c0 in range(0, k, col_step)
+    ]
 
 
 class Fp8MoEMethod(FusedMoEMethodBase):
@@ -95,17 +106,31 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         Raises:
             NonFiniteWeightError: ``weight`` holds NaN or Inf (raised by the scale, before any write).
         """
-        scale = scale_from_amax(fp8_amax(weight, self.granularity, self.kernel))  # [] / [N, 1] / [N/128, K/128]
-        q = kernel_tensors[param_name].data[expert_id]
-        align = BLOCK_SIZE[0] if self.granularity == "block" else 1
-        for r0, r1 in _row_chunks(weight.shape[0], align):
-            if self.granularity == "tensor":
-                rows_scale = scale
-            elif self.granularity == "channel":
-                rows_scale = scale[r0:r1]
+        g, n, k = self.granularity, *weight.shape
+        align = BLOCK_SIZE[0] if g == "block" else 1
+        # torch: tiles of about 1/8 of the expert bound the reference's float32 work buffer (and its zero
+        # padding of ragged blocks); triton has neither, so 2 tiles (fewer launches) bound its FP8 output
+        tiles = expert_tiles(n, k, align, parts=8 if self.kernel == "torch" else 2)
+        # amax tile by tile (max is exact, so the scale is the whole matrix's)
+        amax = torch.zeros(expert_scale_shape(1, n, k, g)[1:], dtype=torch.float32, device=weight.device)
+        for r0, r1, c0, c1 in tiles:
+            a = fp8_amax(weight[r0:r1, c0:c1], g, self.kernel)
+            if g == "tensor":
+                amax = torch.maximum(amax, a)  # NaN propagates
+            elif g == "channel":
+                amax[r0:r1] = torch.maximum(amax[r0:r1], a)
             else:
-                rows_scale = scale[r0 // align : -(-r1 // align)]
-            q[r0:r1].copy_(fp8_quantize(weight[r0:r1], rows_scale, self.kernel))
+                amax[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)] = a
+        scale = scale_from_amax(amax)  # [] / [N, 1] / [ceil(N/128), ceil(K/128)]; raises before any write
+        q = kernel_tensors[param_name].data[expert_id]
+        for r0, r1, c0, c1 in tiles:
+            if g == "tensor":
+                tile_scale = scale
+            elif g == "channel":
+                tile_scale = scale[r0:r1]
+            else:
+                tile_scale = scale[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)]
+            q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
         kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
 
     def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:

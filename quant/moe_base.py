@@ -12,7 +12,7 @@ A method owns, for a ``FusedMoE`` layer (``layerwise/layers/fused_moe.py``):
 
 The forward loops over the experts that received tokens (transformers' and vLLM's reference
 ``fused_moe`` loop): gather their tokens, ``down(silu(gate) * up)``, scale by the routing weight,
-``index_add_`` into the output. That loop reads the chosen expert ids on the host, which a CUDA graph
+add into the output rows. That loop reads the chosen expert ids on the host, which a CUDA graph
 cannot capture; while a graph is being captured (the Engine's decode step) the method computes the k
 chosen experts of every token from gathered weights instead (``apply_gathered``: no host sync, k x T
 experts' weights gathered, fine for decode batches, wasteful for long prefills).
@@ -105,7 +105,7 @@ class FusedMoEMethodBase:
         """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H] -> [T, H] in x.dtype.
 
         Expert e: down(silu(gate(x)) * up(x)); the weighted result is cast to x.dtype and accumulated
-        with ``index_add_`` expert by expert, in increasing expert id, as transformers does.
+        into the output expert by expert, in increasing expert id, as transformers does.
         """
         if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self.apply_gathered(layer, x, topk_weights, topk_ids)
@@ -115,7 +115,9 @@ class FusedMoEMethodBase:
             pos, tokens = torch.where(mask[e])
             gate, up = self.expert_linear(layer, "w13_weight", e, x[tokens]).chunk(2, dim=-1)
             y = self.expert_linear(layer, "w2_weight", e, F.silu(gate) * up)  # [n_e, H]
-            out.index_add_(0, tokens, (y * topk_weights[tokens, pos, None]).to(out.dtype))
+            # = transformers' index_add_ (a token meets an expert at most once, so one add per element);
+            # index_put_ because torch's CPU index_add_ wakes its thread pool even for a few rows
+            out.index_put_((tokens,), (y * topk_weights[tokens, pos, None]).to(out.dtype), accumulate=True)
         return out
 
     def apply_gathered(

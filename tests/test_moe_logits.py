@@ -99,6 +99,8 @@ def test_per_tensor_scale_spans_gate_and_up(moe_checkpoint):
 
 def test_w8a8_on_cpu_close_to_transformers(moe_checkpoint):
     arch, path, ref = moe_checkpoint
+    if arch != "Qwen3MoeForCausalLM":
+        pytest.skip("torch's CPU _scaled_mm is a slow reference: one architecture is enough")
     model = layerwise.load_model(path, quantization="fp8-per-channel", fp8_mode="w8a8")
     with torch.no_grad():
         db = sqnr_db(ref, model(IDS).float())

@@ -1,0 +1,257 @@
+"""MoE reloads: in place and equal to a fresh load, partial (some experts only), scattered keys, and the
+errors (missing, duplicate, unknown or non-finite expert tensors) that name the key and spare the model."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import layerwise
+from layerwise.api import model_digest
+from layerwise.checkpoint import Checkpoint
+from layerwise.engine import Engine
+from tests.hf_checkpoints import MOE_ARCHS, write_hf_checkpoint
+from tests.moe_helpers import MOE_NAMES, as_bytes, load_from_stream, moe_block
+
+KERNEL_NAMES = {
+    None: ("w13_weight", "w2_weight"),
+    "fp8-per-tensor": ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
+    "fp8-per-block": ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"),
+}
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def pair(request, tmp_path_factory):
+    """(arch, A, B): two 3-layer checkpoints of the same MoE architecture with different weights."""
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"moe-reload-{arch}")
+    return (
+        arch,
+        write_hf_checkpoint(root / "a", arch, seed=0, num_layers=3),
+        write_hf_checkpoint(root / "b", arch, seed=1, num_layers=3),
+    )
+
+
+def _experts(model):
+    return moe_block(model, 1).experts
+
+
+def _expert_key(arch, layer, expert, which):
+    """Checkpoint key of expert ``expert``'s projection ``which`` (0 gate, 1 up, 2 down)."""
+    block, *projections = MOE_NAMES[arch]
+    return f"model.layers.{layer}.{block}.experts.{expert}.{projections[which]}.weight"
+
+
+def _assert_same_bytes(model, reference):
+    sd, ref = model.state_dict(), reference.state_dict()
+    assert sd.keys() == ref.keys()
+    for name in sd:
+        assert sd[name].dtype == ref[name].dtype, name
+        assert torch.equal(as_bytes(sd[name]), as_bytes(ref[name])), name
+
+
+def _snapshot(model):
+    return {n: (t, t.data_ptr()) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+
+def _assert_in_place(model, snap):
+    now = _snapshot(model)
+    assert now.keys() == snap.keys()
+    for name, (t, ptr) in snap.items():
+        assert now[name][0] is t and now[name][1] == ptr, name
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("quantization", list(KERNEL_NAMES))
+def test_reload_equals_fresh_load_and_keeps_every_data_ptr(pair, quantization, atomic):
+    arch, a, b = pair
+    model = layerwise.load_model(a, quantization=quantization)
+    experts = _experts(model)
+    assert sorted(n for n, _ in experts.named_parameters()) == sorted(KERNEL_NAMES[quantization])
+    ptrs = {n: getattr(experts, n).data_ptr() for n in KERNEL_NAMES[quantization]}
+    snap = _snapshot(model)
+    report = layerwise.reload_weights(model, b, atomic=atomic)
+    _assert_in_place(model, snap)
+    assert {n: getattr(experts, n).data_ptr() for n in ptrs} == ptrs
+    _assert_same_bytes(model, layerwise.load_model(b, quantization=quantization))
+    block = MOE_NAMES[arch][0]
+    assert f"model.layers.1.{block}.experts" in report.updated_modules
+    assert f"model.layers.1.{block}.gate" in report.updated_modules
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_partial_reload_of_some_experts(pair, atomic):
+    arch, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8")
+    fresh_a = _experts(layerwise.load_model(a, quantization="fp8"))
+    fresh_b = _experts(layerwise.load_model(b, quantization="fp8"))
+    snap = _snapshot(model)
+    changed = {2, 5}
+    stream = [
+        (k, t) for k, t in Checkpoint(b) if any(f".layers.1.{MOE_NAMES[arch][0]}.experts.{e}." in k for e in changed)
+    ]
+    assert len(stream) == 6
+    report = layerwise.reload_weights(model, stream, atomic=atomic)
+    _assert_in_place(model, snap)
+    assert report.updated_modules == [f"model.layers.1.{MOE_NAMES[arch][0]}.experts"]
+    experts = _experts(model)
+    for name in KERNEL_NAMES["fp8-per-tensor"]:
+        for e in range(8):
+            expected = (fresh_b if e in changed else fresh_a).get_parameter(name)[e]
+            assert torch.equal(as_bytes(experts.get_parameter(name)[e]), as_bytes(expected)), (name, e)
+
+
+def test_only_the_down_projection_of_one_expert(pair):
+    arch, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8-per-block")
+    key = _expert_key(arch, 1, 6, 2)
+    layerwise.reload_weights(model, [(key, Checkpoint(b).get_tensor(key))])
+    fresh_a, fresh_b = (
+        _experts(layerwise.load_model(a, quantization="fp8-per-block")),
+        _experts(layerwise.load_model(b, quantization="fp8-per-block")),
+    )
+    experts = _experts(model)
+    assert torch.equal(as_bytes(experts.w2_weight[6]), as_bytes(fresh_b.w2_weight[6]))
+    assert torch.equal(as_bytes(experts.w2_weight[5]), as_bytes(fresh_a.w2_weight[5]))
+    assert torch.equal(as_bytes(experts.w13_weight), as_bytes(fresh_a.w13_weight))
+
+
+def test_scattered_keys_in_any_order_give_the_same_bytes(pair):
+    arch, a, b = pair
+    stream = list(Checkpoint(a))
+    random.Random(0).shuffle(stream)  # every layer's experts interleaved with everything else
+    fresh = layerwise.load_model(a, quantization="fp8")
+    _assert_same_bytes(load_from_stream(a, stream, "fp8"), fresh)
+    model = layerwise.load_model(b, quantization="fp8")
+    report = layerwise.reload_weights(model, stream)
+    _assert_same_bytes(model, fresh)
+    assert report.peak_buffered_bytes > 0  # units waited for their other projection, on CPU
+
+
+def test_experts_scattered_across_shards(pair, tmp_path):
+    """Each expert tensor in a random one of 5 shard files, the index listing keys in random order."""
+    arch, a, _ = pair
+    tensors = {k: t.clone() for k, t in Checkpoint(a)}
+    keys = list(tensors)
+    rng = random.Random(1)
+    rng.shuffle(keys)
+    shards = {k: f"model-{rng.randrange(5) + 1:05d}-of-00005.safetensors" for k in keys}
+    for shard in set(shards.values()):
+        save_file({k: tensors[k] for k in keys if shards[k] == shard}, str(tmp_path / shard), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    (tmp_path / "config.json").write_text((a / "config.json").read_text())
+    _assert_same_bytes(layerwise.load_model(tmp_path, quantization="fp8"), layerwise.load_model(a, quantization="fp8"))
+
+
+def test_missing_expert_on_first_load_names_its_key(pair, tmp_path):
+    arch, a, _ = pair
+    missing = _expert_key(arch, 2, 5, 1)  # expert 5's up projection (Mixtral: w3)
+    stream = [(k, t) for k, t in Checkpoint(a) if k != missing]
+    with pytest.raises(layerwise.MissingWeightError) as e:
+        load_from_stream(a, stream, "fp8")
+    assert missing in str(e.value) and "never written" in str(e.value)
+    assert _expert_key(arch, 2, 5, 0) not in str(e.value)  # the gate projection did arrive
+
+
+def test_missing_expert_file_tensor_on_load(pair, tmp_path):
+    arch, a, _ = pair
+    missing = _expert_key(arch, 1, 7, 2)
+    index = json.loads((a / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop(missing)
+    for f in a.iterdir():
+        if f.name != shard:
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    kept = {k: t for k, t in load_file(str(a / shard)).items() if k != missing}
+    save_file(kept, str(tmp_path / shard), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(layerwise.MissingWeightError, match=missing.replace(".", r"\.")):
+        layerwise.load_model(tmp_path, quantization="fp8")
+
+
+def test_half_an_expert_on_reload_is_an_error_and_spares_that_layer(pair):
+    arch, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8")
+    before = model_digest(model)
+    gate = _expert_key(arch, 1, 3, 0)
+    with pytest.raises(layerwise.MissingWeightError) as e:
+        layerwise.reload_weights(model, [(gate, Checkpoint(b).get_tensor(gate))], atomic=True)
+    assert _expert_key(arch, 1, 3, 1) in str(e.value)  # the up projection never came
+    assert isinstance(e.value, layerwise.ReloadError) and e.value.updated_modules == []
+    assert model_digest(model) == before
+
+
+@pytest.mark.parametrize("bad", ["expert 8", "projection", "shape"])
+def test_unknown_or_misshapen_expert_tensor_names_the_key(pair, bad):
+    arch, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8")
+    before = model_digest(model)
+    key = _expert_key(arch, 1, 0, 0)
+    tensor = Checkpoint(b).get_tensor(key)
+    if bad == "expert 8":
+        key, match = key.replace("experts.0.", "experts.8."), "expert 8 does not exist"
+    elif bad == "projection":
+        key, match = key.replace(".weight", "x.weight"), "unknown expert projection"
+    else:
+        tensor, match = tensor[:-1], "does not match expected"
+    with pytest.raises(layerwise.ReloadError, match=match) as e:
+        layerwise.reload_weights(model, [(key, tensor)])
+    assert e.value.key == key
+    assert model_digest(model) == before
+
+
+def test_expert_written_twice_is_an_error(pair):
+    arch, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8")
+    ckpt = Checkpoint(b)
+    down = _expert_key(arch, 1, 4, 2)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, [(down, ckpt.get_tensor(down)), (down, ckpt.get_tensor(down))])
+    assert isinstance(e.value.cause, layerwise.DuplicateWeightError) and e.value.key == down
+    assert "w2_weight[4]" in str(e.value)
+
+
+def _nan_stream(b, bad_key):
+    for key, tensor in Checkpoint(b):
+        yield key, (torch.full_like(tensor, float("nan")) if key == bad_key else tensor)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_non_finite_expert_names_its_key_and_reports_what_changed(pair, atomic):
+    arch, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8")
+    fresh_a, fresh_b = layerwise.load_model(a, quantization="fp8"), layerwise.load_model(b, quantization="fp8")
+    bad = _expert_key(arch, 1, 6, 1)  # keys stream sorted: experts 0-5 of layer 1 come first
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, _nan_stream(b, bad), atomic=atomic)
+    assert isinstance(e.value.cause, layerwise.NonFiniteWeightError) and e.value.key == bad
+    experts = _experts(model)
+    if atomic:
+        assert e.value.updated_modules == []
+        _assert_same_bytes(model, fresh_a)
+        return
+    layer = f"model.layers.1.{MOE_NAMES[arch][0]}.experts"
+    assert layer in e.value.updated_modules  # some experts were overwritten before the error
+    assert torch.equal(as_bytes(experts.w13_weight[0]), as_bytes(_experts(fresh_b).w13_weight[0]))
+    assert torch.equal(as_bytes(experts.w13_weight[6]), as_bytes(_experts(fresh_a).w13_weight[6]))
+    assert torch.equal(
+        as_bytes(moe_block(model, 2).experts.w2_weight), as_bytes(moe_block(fresh_a, 2).experts.w2_weight)
+    )
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).float()).all()
+
+
+def test_engine_generates_and_reloads(pair):
+    arch, a, b = pair
+    if arch != "Qwen3MoeForCausalLM":
+        pytest.skip("one architecture is enough for the engine (the forward of both is tested against transformers)")
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32, quantization="fp8")
+    before = engine.generate(prompts, 6)
+    snap = _snapshot(engine.model)
+    engine.reload_weights(b)
+    _assert_in_place(engine.model, snap)
+    after = engine.generate(prompts, 6)
+    assert after == Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, quantization="fp8").generate(prompts, 6)
+    assert after != before
