@@ -15,10 +15,13 @@ Per method, in one fresh process: the first load (``first_seconds``: imports, co
 paid once per process), then ``--loads``-1 more (``seconds``: the best of them, the steady state), and
 ``first_minus_second_seconds``; peak bytes, final model bytes, peak / final, (peak - final) / largest
 layer; ``time_over_floor`` (seconds / the floor's seconds) and ``first_over_floor`` (first_seconds /
-the floor's seconds). On CUDA the first load is also the tracked one (the allocator's statistics cost
-nothing); on CPU the tracker slows every operator, so the memory is measured in one more load after the
-timed ones. On CPU, a method that keeps memory-mapped checkpoint tensors as parameters (transformers
-does, for embeddings, lm_head and norms) is charged their bytes on top of its tracked peak
+the floor's seconds); ``first_seconds_with_import`` adds ``import layerwise`` (timed alone in a fresh
+interpreter after ``import torch``: each method's process imports it before the first load). On CUDA the first
+load is also the tracked one (the allocator's statistics cost nothing); on CPU the tracker slows
+every operator, so the memory is measured in one more load after the timed ones.
+
+On CPU, a method that keeps memory-mapped checkpoint tensors as parameters (transformers does, for
+embeddings, lm_head and norms) is charged their bytes on top of its tracked peak
 (``untracked_final_bytes``): on a GPU they would be device memory too. For hf+torchao-quantize_ the
 device-equivalent bytes are also sampled when from_pretrained returns (the whole BF16 model held, as
 mmap views on CPU), a lower bound of its GPU peak. hf-TorchAoConfig quantizes inside from_pretrained,
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -266,8 +270,9 @@ def worker(method: str, path: str, device: str, loads: int = 2):
 
 def add_ratios(rows: list[dict], largest_layer_bytes: int) -> None:
     """Add peak_over_final, overhead_over_largest_layer and, with a floor row, time_over_floor (the
-    steady-state load over the floor's) and first_over_floor (the first load in a process over the
-    floor's steady state) to every measured row, in place."""
+    steady-state load over the floor's), first_over_floor (the first load in a process over the floor's
+    steady state) and first_with_import_over_floor (the same with ``import layerwise``) to every measured
+    row, in place."""
     floor = next((r for r in rows if r["method"] == "floor-read-copy" and "error" not in r), None)
     for r in rows:
         if "error" in r:
@@ -277,6 +282,16 @@ def add_ratios(rows: list[dict], largest_layer_bytes: int) -> None:
         if floor:
             r["time_over_floor"] = r["seconds"] / floor["seconds"]
             r["first_over_floor"] = r["first_seconds"] / floor["seconds"]
+            if "first_seconds_with_import" in r:
+                r["first_with_import_over_floor"] = r["first_seconds_with_import"] / floor["seconds"]
+
+
+def import_seconds() -> float:
+    """Seconds ``import layerwise`` takes in a fresh interpreter that has imported torch (the part of a
+    user's first load that the workers, which import layerwise before timing, do not see)."""
+    code = "import time, torch; t = time.perf_counter(); import layerwise; print(time.perf_counter() - t)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else float("nan")
 
 
 def run(
@@ -326,6 +341,10 @@ def run(
             print(f"  {method}: did not run here: {out.error}", file=sys.stderr)
             continue
         print(f"  {method}: done in {out.seconds:.1f} s", file=sys.stderr)
+    imports = import_seconds()
+    for r in rows:
+        if r["method"].startswith("layerwise-") and "error" not in r:
+            r["first_seconds_with_import"] = r["first_seconds"] + imports
     add_ratios(rows, largest)
     shape = {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
     return {
@@ -337,6 +356,7 @@ def run(
         "checkpoint_bytes": ckpt.total_bytes,
         "largest_layer_checkpoint_bytes": largest,
         "loads_per_method": loads,
+        "import_layerwise_seconds": imports,
         "machine": describe_machine(device),
         "results": rows,
     }

@@ -61,6 +61,7 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
     out: dict = {
         "load_over_floor": {},
         "first_load_over_floor": {},
+        "first_load_with_import_over_floor": {},
         "first_minus_second_load_seconds": {},
         "reload_dir_over_copy_floor": {},
         "reload_stream_over_copy_floor": {},
@@ -81,10 +82,14 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
             scheme = method[len("layerwise-") :]
             out["load_over_floor"][scheme] = r["time_over_floor"]
             out["first_load_over_floor"][scheme] = r["first_over_floor"]
+            if "first_with_import_over_floor" in r:
+                out["first_load_with_import_over_floor"][scheme] = r["first_with_import_over_floor"]
             if "first_minus_second_seconds" in r:
                 out["first_minus_second_load_seconds"][scheme] = r["first_minus_second_seconds"]
-            # the load target: GPU counts the first load in a fresh process, CPU the steady state
-            ratio = r["first_over_floor"] if kind == "cuda" else r["time_over_floor"]
+            # the load target: GPU counts the first load in a fresh process (import layerwise included), CPU the
+            # steady state
+            first = r.get("first_with_import_over_floor", r["first_over_floor"])
+            ratio = first if kind == "cuda" else r["time_over_floor"]
             out["met"][f"load {scheme}"] = ratio <= LOAD_OVER_FLOOR
             if kind == "cpu" and "first_minus_second_seconds" in r:
                 out["met"][f"first-load cost {scheme}"] = r["first_minus_second_seconds"] <= FIRST_MINUS_SECOND_CPU

@@ -61,6 +61,7 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
     assert result["largest_layer_checkpoint_bytes"] > 0 and result["machine"]["torch"]
     rows = {r["method"]: r for r in result["results"]}
     assert set(rows) == set(methods.split(","))
+    floor = rows["floor-read-copy"]["seconds"]
     for r in rows.values():
         assert "error" not in r, r
         for field in (
@@ -80,8 +81,12 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
         assert r["peak_bytes"] >= r["final_bytes"] > 0
         assert r["load_seconds"] == [r["first_seconds"], r["second_seconds"]]  # --loads 2 (the default)
         assert r["first_minus_second_seconds"] == r["first_seconds"] - r["second_seconds"]
-        assert r["time_over_floor"] == r["seconds"] / rows["floor-read-copy"]["seconds"]
-        assert r["first_over_floor"] == r["first_seconds"] / rows["floor-read-copy"]["seconds"]
+        assert r["time_over_floor"] == r["seconds"] / floor
+        assert r["first_over_floor"] == r["first_seconds"] / floor
+        if r["method"].startswith("layerwise-"):
+            assert r["first_seconds_with_import"] == r["first_seconds"] + result["import_layerwise_seconds"]
+            assert r["first_with_import_over_floor"] == r["first_seconds_with_import"] / floor
+    assert 0 < result["import_layerwise_seconds"] < 60
     _check_provenance(result, "cpu", "small")
     # the same tracker sees the naive path hold the whole BF16 model, and layerwise not
     assert rows["naive-bf16-then-fp8"]["peak_bytes"] > rows["layerwise-fp8-per-tensor"]["peak_bytes"]
@@ -280,6 +285,7 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     ours = pm["layerwise-fp8-per-tensor"]
     assert summary["load_over_floor"] == {"fp8-per-tensor": ours["seconds"] / pm["floor-read-copy"]["seconds"]}
     assert summary["first_load_over_floor"] == {"fp8-per-tensor": ours["first_over_floor"]}
+    assert summary["first_load_with_import_over_floor"] == {"fp8-per-tensor": ours["first_with_import_over_floor"]}
     assert summary["first_minus_second_load_seconds"] == {
         "fp8-per-tensor": ours["first_seconds"] - ours["second_seconds"]
     }
