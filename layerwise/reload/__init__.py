@@ -28,6 +28,15 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
 7. One session per model at a time; sessions are not thread-safe.
 8. The first load materializes each module with fresh allocations; reloads reuse nothing either
    (each module is materialized anew, then copied into the kernel tensors).
+9. A module that declares processing units (``FusedMoE``: ``processing_unit(param_name, shard_id)``
+   -> ``(param_name, i)``, i.e. ``param[i]``, one expert's w13 or w2) is counted, buffered and
+   processed per unit: only one unit is ever materialized in the checkpoint dtype, and it is
+   quantized straight into its slice of the layer's kernel tensors (allocated at the first unit; on a
+   reload the live kernel tensors, so every data_ptr is kept). Its loader must write only
+   ``param[i]`` (checked on meta for every load). A reload may bring any subset of whole units
+   (partial reload of some experts; the module is reported updated); a unit partly written is an
+   error naming the missing checkpoint keys. A failed non-atomic reload reports the module as
+   updated as soon as one unit was written; atomic stages a copy of the whole layer's kernel tensors.
 """
 
 from layerwise.reload.session import (
