@@ -23,6 +23,13 @@ subclass reassembled. That is exact only where every output row depends on its i
    chunk's result differs in kind from the first chunk's (plain vs subclass, another type or
    metadata) the whole weight is quantized at once instead, so the result is always torchao's
    result for the whole weight.
+3. Where this module reproduces torchao's arithmetic (``Float8Tensor`` per row with torchao's torch kernel,
+   see :func:`_float8_rows`), only the first chunk and a shorter last chunk go through ``quantize_``; the
+   rest is computed here, with no per-chunk ``quantize_`` overhead (nn.Linear, Parameter, config checks,
+   the subclass built and flattened). The torchao results are compared byte for byte with the local
+   arithmetic, and any difference sends the weight back to ``quantize_`` per chunk. This assumes that
+   torchao's decision to quantize or skip a chunk depends on its shape, dtype and device, not its values
+   (true of torchao 0.18), so the middle chunks, shaped like the first, are quantized where it is.
 """
 
 from __future__ import annotations
@@ -95,6 +102,36 @@ def _row_layout(t: torch.Tensor, rows: int):
     return type(t), list(names), ctx
 
 
+def _float8_rows(w: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, work: torch.Tensor) -> None:
+    """Per-row float8 quantization of ``w`` [R, K] into ``qdata`` [R, K] (float8) and ``scale`` [R, 1]
+    (float32), byte-identical to torchao's ``Float8Tensor.from_hp(w, granularity=PerRow())`` with the
+    torch kernel (``_choose_scale_float8`` then ``_quantize_affine_float8``, torchao 0.18): the row amax
+    and ``amax / max`` are computed in ``w.dtype`` (a BF16 weight gets a BF16-rounded scale), then
+    ``clamp(w.float() / scale, -max, max)`` is cast. ``work`` is a float32 buffer of at least
+    ``w.numel()`` elements (no other temporary is the size of ``w``)."""
+    fmax = torch.finfo(qdata.dtype).max
+    scale.copy_(w.abs().amax(dim=1, keepdim=True) / fmax)  # (torch.aminmax over rows is ~20x slower on CPU)
+    x = torch.div(w, scale, out=work[: w.numel()].view(w.shape))  # promoted to float32, as w.float() / scale
+    qdata.copy_(x.clamp_(-fmax, fmax))
+
+
+def _float8_fast_path_applies(layout, device: torch.device) -> bool:
+    """Whether torchao quantizes a chunk of this ``layout`` with the torch kernel that :func:`_float8_rows`
+    reproduces: a Float8Tensor per row, not the MSLK kernel (which torchao picks on CUDA sm90+ where the
+    mslk package is installed, or when asked by ``kernel_preference``)."""
+    cls, names, ctx = layout
+    if cls.__name__ != "Float8Tensor" or sorted(names) != ["qdata", "scale"]:
+        return False
+    preference = getattr(ctx.get("kernel_preference"), "name", "AUTO")
+    if preference == "MSLK":
+        return False
+    if device.type == "cuda":
+        from torchao.utils import _is_mslk_available
+
+        return not _is_mslk_available()
+    return True
+
+
 class TorchaoLinearMethod(QuantMethod):
     """Applies a torchao config to one Linear weight at a time.
 
@@ -145,6 +182,17 @@ class TorchaoLinearMethod(QuantMethod):
             return self._quantize(weight)
         cls, names, ctx = layout
         inner = {name: getattr(first, name).new_empty((n, *getattr(first, name).shape[1:])) for name in names}
+        if _float8_fast_path_applies(layout, weight.device):
+            references = [(0, first)]
+            if n % rows:  # torchao's own result for the shorter last chunk: skipped, or its bytes
+                last = quantize_whole(weight[n - n % rows :], self._chunk_config)
+                if _row_layout(last, n % rows) != layout:  # Limitations 2
+                    del first, last, references, inner
+                    return self._quantize(weight)
+                references.append((n - n % rows, last))
+            if self._float8_chunks(weight, rows, references, inner):
+                return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
+            del references
         for name in names:
             inner[name][:rows].copy_(getattr(first, name))
         del first
@@ -158,6 +206,26 @@ class TorchaoLinearMethod(QuantMethod):
                 inner[name][r0:r1].copy_(getattr(part, name))
             del part
         return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
+
+    def _float8_chunks(self, weight: torch.Tensor, rows: int, references: list, inner: dict) -> bool:
+        """Fill ``inner`` (qdata, scale) with :func:`_float8_rows`, ``rows`` at a time (Limitations 3); False
+        (``inner`` then partly written) where the local bytes differ from a torchao result in ``references``
+        ((first row, Float8Tensor) pairs: the first chunk, a shorter last one)."""
+        n, k = weight.shape
+        qdata, scale = inner["qdata"], inner["scale"]
+        work = torch.empty(rows * k, dtype=torch.float32, device=weight.device)
+        for r0, reference in references:
+            r1 = r0 + reference.shape[0]
+            _float8_rows(weight[r0:r1], qdata[r0:r1], scale[r0:r1], work)
+            same = torch.equal(qdata[r0:r1].view(torch.uint8), reference.qdata.view(torch.uint8)) and torch.equal(
+                scale[r0:r1].view(torch.int32), reference.scale.view(torch.int32)
+            )
+            if not same:
+                logger.warning("%s: the local float8 arithmetic differs from torchao's; quantize_ per chunk", self.name)
+                return False
+        for r0 in range(rows, n - n % rows, rows):
+            _float8_rows(weight[r0 : r0 + rows], qdata[r0 : r0 + rows], scale[r0 : r0 + rows], work)
+        return True
 
     def _quantize(self, weight: torch.Tensor) -> torch.Tensor:
         """The whole ``weight`` [N, K] through :func:`quantize_whole`; a weight torchao leaves plain is logged."""

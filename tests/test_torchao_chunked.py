@@ -62,7 +62,8 @@ def calls(monkeypatch):
 def weight(n: int, seed: int = 0, k: int = K) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n).unsqueeze(1)  # rows of different scales
-    w[3] = 0  # an all-zero row
+    w[[3, 100 % n]] = 0  # all-zero rows, in the first chunk and in a later one
+    w[50 % n, :7] = torch.tensor([448.0, -448.0, 0.0, -0.0, 1e-30, 3e38, -3e38])  # extremes (float32 range)
     return w.bfloat16()
 
 
@@ -74,6 +75,36 @@ def test_row_chunks_equal_quantize_of_the_whole_linear(name, n, calls):
     got = method.quantize_rows(w)
     assert_same_bytes(got, reference(w, getattr(tq, name)()))
     assert max(calls) <= 32 < n, calls  # it was chunked, and never quantized whole
+
+
+@pytest.mark.parametrize("n", [8 * 32, 8 * 32 + 24])
+def test_float8_rows_after_the_first_chunk_are_quantized_without_quantize_(n, calls):
+    """Limitations 3: torchao quantizes the first chunk (and a shorter last one), the local arithmetic the rest."""
+    w = weight(n)
+    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig()))
+    assert calls == [32] + ([n % 32] if n % 32 else []), calls
+
+
+def test_float32_weights_take_the_local_float8_path_too(calls):
+    w = weight(8 * 32).float() * 1e-3  # a float32 scale: amax / 448 in float32
+    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig()))
+    assert calls == [32]
+
+
+def test_local_float8_bytes_that_differ_from_torchao_fall_back_to_quantize_(monkeypatch, calls, caplog):
+    real = quant_torchao._float8_rows
+
+    def off_by_one_ulp(w, qdata, scale, work):
+        real(w, qdata, scale, work)
+        scale.view(torch.int32).add_(1)
+
+    monkeypatch.setattr(quant_torchao, "_float8_rows", off_by_one_ulp)
+    w = weight(8 * 32)
+    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig()))
+    assert calls == [32] * 8 and "differs from torchao" in caplog.text
 
 
 def test_per_tensor_scales_are_not_chunked(calls):
