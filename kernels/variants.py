@@ -24,6 +24,14 @@ from layerwise.kernels.fp8_act import (
     _act_quant_tensor_kernel,
     _act_quant_token_kernel,
 )
+from layerwise.kernels.fp8_gemm import SCALE_MODES as GEMM_SCALE_MODES
+from layerwise.kernels.fp8_gemm import (
+    W8A8_BLOCK_TILES_CUDA,
+    W8A16_TILES_CUDA,
+    _w8a8_block_gemm_kernel,
+    _w8a16_gemm_kernel,
+    dot_dtype,
+)
 from layerwise.kernels.fp8_tiles import SCALE_MODES, _amax_kernel, _dequantize_kernel, _quantize_kernel
 from layerwise.kernels.reference import BLOCK_SIZE
 from layerwise.kernels.triton_common import TILE_CUDA
@@ -46,12 +54,14 @@ class KernelVariant:
         fn: the undecorated kernel function (wrap with ``triton.jit`` to compile).
         signature: argument name -> Triton type ("*fp32", "i32", "constexpr").
         constexprs: constexpr argument name -> value.
+        targets: the compute capabilities it is launched on (FP8 tensor-core variants: sm_89+ only).
     """
 
     name: str
     fn: Callable
     signature: dict
     constexprs: dict
+    targets: tuple = (80, 89, 90)  # compute capabilities the wrappers launch it on
 
 
 def _signature(fn: Callable, types: dict, constexprs: dict) -> dict:
@@ -118,3 +128,63 @@ def activation_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
         ):
             kernel = fn.__name__.strip("_").removesuffix("_kernel")
             yield KernelVariant(f"{kernel}[{name},{index_type}]", fn, _signature(fn, common, const), const)
+
+
+def gemm_variants() -> Iterator[KernelVariant]:
+    """The FP8 GEMM specializations the CUDA forward launches (``kernels.fp8_gemm``), for AOT compiles.
+
+    W8A16 decodes e4m3 with integer ops on sm_80 and in hardware on sm_89+; the block-scaled W8A8 GEMM
+    (FP8 tensor cores) runs on sm_89+. To keep CPU CI under a minute, the full matrix is built for
+    bf16 (the checkpoints' dtype) and the decode tile (the first row of each table: int64 sizes and a
+    bias too, sm_89 and sm_90); fp16 and the larger tiles only where the code differs: fp16 for the
+    decode tile, the larger tiles with int32 sizes, no bias, one FP8 target (sm_90).
+    """
+    cuda = torch.device("cuda")
+    for dtype in ACT_DTYPES:
+        name, ptr, is_bf16 = str(dtype)[6:], POINTER_TYPES[dtype], dtype == torch.bfloat16
+        for t, (_, block_m, block_n, block_k, _, _) in enumerate(W8A16_TILES_CUDA):
+            if t and not is_bf16:
+                continue
+            for granularity, mode in GEMM_SCALE_MODES.items():
+                if granularity == "block":
+                    block_n, block_k = min(block_n, BLOCK_SIZE[0]), BLOCK_SIZE[1]
+                for index_type, has_bias in _gemm_sizes(t == 0 and is_bf16):
+                    types = dict(x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr)
+                    types.update(m=index_type, n=index_type, k=index_type, scale_cols=index_type)
+                    for native, targets in ((False, (80,)), (True, (89, 90) if t == 0 else (90,))):
+                        const = dict(
+                            IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=mode, FP8_NATIVE=native,
+                            DOT_DTYPE=dot_dtype(dtype, cuda), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        )  # fmt: skip
+                        yield KernelVariant(
+                            f"w8a16_gemm[{name},{granularity},{block_m}x{block_n}x{block_k},{index_type},"
+                            f"{'bias' if has_bias else 'nobias'},{'native' if native else 'int'}]",
+                            _w8a16_gemm_kernel,
+                            _signature(_w8a16_gemm_kernel, types, const),
+                            const,
+                            targets,
+                        )
+        for t, (_, block_m, block_n, block_k, _, _) in enumerate(W8A8_BLOCK_TILES_CUDA):
+            if t and not is_bf16:
+                continue
+            for index_type, has_bias in _gemm_sizes(t == 0 and is_bf16):
+                types = dict(xq_ptr="*u8", x_scale_ptr="*fp32", w_ptr="*u8", w_scale_ptr="*fp32")
+                types.update(bias_ptr=ptr, out_ptr=ptr, m=index_type, n=index_type, k=index_type)
+                types.update(x_scale_cols=index_type, w_scale_cols=index_type)
+                const = dict(
+                    OUT_BF16=is_bf16, HAS_BIAS=has_bias, FP8_NATIVE=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                    BLOCK_K=block_k,
+                )  # fmt: skip
+                yield KernelVariant(
+                    f"w8a8_block_gemm[{name},{block_m}x{block_n}x{block_k},{index_type},"
+                    f"{'bias' if has_bias else 'nobias'}]",
+                    _w8a8_block_gemm_kernel,
+                    _signature(_w8a8_block_gemm_kernel, types, const),
+                    const,
+                    (89, 90) if t == 0 else (90,),
+                )
+
+
+def _gemm_sizes(full: bool) -> tuple:
+    """(index type, has bias) pairs built for a GEMM tile: both widths and a bias where ``full``."""
+    return (("i32", True), ("i64", False)) if full else (("i32", False),)

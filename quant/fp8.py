@@ -23,7 +23,11 @@ Forward: W8A8 (activation quantized on the fly: per tensor for per-tensor weight
 per-channel weights, then ``torch._scaled_mm``) on CUDA sm89+, or W8A16 (dequantize, then
 ``F.linear``). On CUDA with ``kernel="triton"`` the activation quantization is one fused Triton
 kernel (``kernels.fp8_act``); on CPU it is the torch reference, bit for bit the same bytes.
-Per-block weights always run W8A16 here (blockwise ``_scaled_mm`` is not wired up).
+Per-block weights run W8A16 on CPU; on CUDA (``kernel="triton"``, bf16/fp16) they run the Triton
+block-scaled W8A8 GEMM on sm_89+ (activations per token group of 128) and the Triton W8A16 GEMM on
+older GPUs. Every W8A16 forward on CUDA (mode "w8a16", sm_80, unaligned shapes, fp16 per-channel)
+decodes the FP8 weight inside a Triton GEMM for up to ``W8A16_GEMM_MAX_M`` tokens instead of
+dequantizing the whole weight (``kernels.fp8_gemm``).
 This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
 ``process_weights_after_loading``).
 
@@ -87,6 +91,12 @@ def scaled_mm_out_dtypes(granularity: str, device: torch.device) -> tuple[torch.
         return (torch.bfloat16,)
     return (torch.bfloat16, torch.float16, torch.float32)
 
+
+# Rows of x (tokens) up to which the CUDA W8A16 forward runs the Triton FP8 GEMM; larger batches (prefill)
+# dequantize the weight once and call cuBLAS, whose large-M tiles beat the decode-shaped Triton tiles while
+# the dequantization is amortized over many rows. 64 is a first guess (the decode batches of issue 14 are
+# 8); set it from the decode/prefill timings on the target GPU.
+W8A16_GEMM_MAX_M = 64
 
 _WARNED: set = set()  # (scheme, dtype, device type) already warned about: one warning each per process
 
@@ -211,12 +221,38 @@ class Fp8LinearMethod(QuantMethod):
             return False
         return True
 
+    def _apply_triton_gemm(
+        self, weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The Triton FP8 GEMM forward on CUDA (``kernels.fp8_gemm``), or None where it does not apply.
+
+        Per-block weights on sm_89+ (unless mode "w8a16"): activations quantized per token group of 128,
+        then the block-scaled W8A8 GEMM, at any M. Otherwise W8A16 (FP8 weight bytes decoded inside the
+        GEMM) for at most ``W8A16_GEMM_MAX_M`` rows; None beyond, so the caller dequantizes + ``F.linear``.
+        """
+        from layerwise.kernels.fp8_act import quantize_activation  # needs triton: imported on CUDA only
+        from layerwise.kernels.fp8_gemm import fp8_native, w8a8_block_gemm, w8a16_gemm
+
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        bias = bias.to(x.dtype) if bias is not None else None
+        if self.granularity == "block" and self.mode != "w8a16" and fp8_native(x.device):
+            xq, x_scale = quantize_activation(x2, "group")
+            y = w8a8_block_gemm(xq, x_scale, weight, scale, x.dtype, bias)
+        elif x2.shape[0] <= W8A16_GEMM_MAX_M:
+            y = w8a16_gemm(x2, weight, scale, bias)
+        else:
+            return None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight, scale = layer.weight, getattr(layer, self.scale_name)
         use_scaled_mm = self._scaled_mm.get(x.dtype)
         if use_scaled_mm is None:  # weight device and shape never change after loading
             use_scaled_mm = self._scaled_mm[x.dtype] = self._use_scaled_mm(weight, x.dtype)
         if not use_scaled_mm:
+            y = self._apply_triton_gemm(weight, scale, x, bias) if fused_forward(self.kernel, x) else None
+            if y is not None:
+                return y
             return F.linear(x, fp8_dequantize(weight, scale, x.dtype, self.kernel), bias)
         x2 = x.reshape(-1, x.shape[-1])
         act_granularity = "token" if self.granularity == "channel" else "tensor"

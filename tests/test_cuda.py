@@ -115,3 +115,104 @@ def test_fp16_per_channel_w8a8_falls_back_with_one_warning(hf_checkpoint, caplog
             model(ids)
     assert out.dtype == torch.float16 and bool(torch.isfinite(out).all())
     assert sum("W8A16" in r.getMessage() for r in caplog.records) == 1
+
+
+# --- the fused FP8 forward (kernels/fp8_act.py, kernels/fp8_gemm.py) compiled on the GPU ---
+
+FORWARD_CASES = [
+    ("fp8-per-tensor", "auto", "_scaled_mm"),  # fused per-tensor activation quant + torch._scaled_mm
+    ("fp8-per-channel", "auto", "_scaled_mm"),  # fused per-token activation quant + row-wise _scaled_mm
+    ("fp8-per-block", "auto", "w8a8_block_gemm"),  # per-group activation quant + block-scaled FP8 GEMM
+    ("fp8-per-tensor", "w8a16", "w8a16_gemm"),
+    ("fp8-per-channel", "w8a16", "w8a16_gemm"),
+    ("fp8-per-block", "w8a16", "w8a16_gemm"),
+]
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_gemms_within_the_f64_bound(granularity, dtype):
+    from layerwise.kernels import reference
+    from layerwise.kernels.fp8_act import quantize_activation
+    from layerwise.kernels.fp8_gemm import w8a8_block_gemm, w8a16_gemm
+    from tests.test_kernels_gemm import SHAPES, _operands, assert_close_to_f64
+
+    for i, (m, n, k) in enumerate([*SHAPES, (8, 4096, 4096), (64, 1024, 14336), (300, 640, 1000)]):
+        x, q, s, bias = _operands(m, n, k, dtype, granularity, i)
+        w64 = reference.dequantize(q, s, torch.float64)
+        y = w8a16_gemm(x.cuda(), q.cuda(), s.cuda(), bias.cuda())
+        assert_close_to_f64(y, x.double(), w64, bias.double())
+        if granularity == "block" and _fp8_gpu():
+            xq, xs = quantize_activation(x.cuda(), "group")
+            x64 = xq.double().cpu() * xs.double().cpu().repeat_interleave(128, dim=1)[:, :k]
+            y = w8a8_block_gemm(xq, xs, q.cuda(), s.cuda(), dtype, bias.cuda())
+            # FP8 tensor cores accumulate each 128-long K step with fewer bits than float32 (DeepSeek-V3
+            # reports about 14 on H800): 2^-13 per product bounds it; the scaled steps add in float32
+            assert_close_to_f64(y, x64, w64, bias.double(), acc_eps=2.0**-13)
+
+
+@pytest.mark.parametrize("granularity", ["token", "group", "tensor"])
+def test_compiled_activation_quant_equals_the_cpu_reference(granularity):
+    from layerwise.kernels import reference
+    from layerwise.kernels.fp8_act import quantize_activation
+
+    g = torch.Generator().manual_seed(9)
+    for m, k in [(1, 4096), (8, 4096), (8, 14336), (77, 1000), (4096, 4096)]:
+        x = (torch.randn(m, k, generator=g) * 3).bfloat16()
+        x[0, :4] = torch.tensor([125.07, -0.0, 1e-40, -1e4])
+        q_cpu, s_cpu = reference.quantize_activation(x, granularity)
+        q_gpu, s_gpu = quantize_activation(x.cuda(), granularity)
+        assert torch.equal(s_cpu, s_gpu.cpu()) and torch.equal(_bytes(q_cpu), _bytes(q_gpu)), (m, k)
+
+
+@pytest.mark.parametrize(("scheme", "fp8_mode", "kernel_name"), FORWARD_CASES)
+def test_fused_forward_against_transformers(hf_checkpoint, monkeypatch, scheme, fp8_mode, kernel_name):
+    import layerwise.kernels.fp8_act as fp8_act
+    import layerwise.kernels.fp8_gemm as fp8_gemm
+
+    if kernel_name != "w8a16_gemm" and not _fp8_gpu():
+        pytest.skip("W8A8 needs sm_89+")
+    calls = []
+    for module, name in ((fp8_gemm, "w8a16_gemm"), (fp8_gemm, "w8a8_block_gemm"), (fp8_act, "quantize_activation")):
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    arch, path = hf_checkpoint
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = layerwise.load_model(path, quantization=scheme, device="cuda", fp8_mode=fp8_mode)
+    with torch.no_grad():
+        out = model(ids.cuda()).float().cpu()
+    assert sqnr_db(hf_logits(path, ids), out) >= 18, (arch, scheme, fp8_mode)
+    expected = {"w8a16_gemm"} if kernel_name == "w8a16_gemm" else {"quantize_activation"}
+    if kernel_name == "w8a8_block_gemm":
+        expected.add("w8a8_block_gemm")
+    assert set(calls) == expected, calls
+
+
+@pytest.mark.parametrize(("scheme", "fp8_mode", "kernel_name"), FORWARD_CASES)
+def test_cuda_graph_decode_with_fused_kernels_equals_eager(hf_checkpoint, scheme, fp8_mode, kernel_name):
+    from layerwise.engine import Engine
+
+    if kernel_name != "w8a16_gemm" and not _fp8_gpu():
+        pytest.skip("W8A8 needs sm_89+")
+    model = layerwise.load_model(hf_checkpoint[1], quantization=scheme, device="cuda", fp8_mode=fp8_mode)
+    prompts = [[1, 5, 9], [7, 3], [11, 2, 4, 6], [8]]
+    graph = Engine(model, max_batch_size=8, max_seq_len=64, use_cuda_graph=True)
+    eager = Engine(model, max_batch_size=8, max_seq_len=64, use_cuda_graph=False)
+    assert graph.generate(prompts, 12) == eager.generate(prompts, 12)
+    assert graph.captures == 1
+    # one more step from the same state (equal caches after equal tokens): the replayed kernels give eager's
+    # logits (the same kernels on the same inputs; a bf16 ulp of slack for a library picking another algorithm)
+    ids, pos = graph._ids.clone(), graph._pos.clone()
+    with torch.no_grad():
+        eager_logits = eager._decode(ids, pos).float().clone()
+        graph_logits = graph._decode(ids, pos).float()
+    torch.testing.assert_close(graph_logits, eager_logits, rtol=2.0**-7, atol=1e-3)

@@ -15,10 +15,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from layerwise.kernels.triton_common import LAUNCH_OPTIONS  # noqa: E402
-from layerwise.kernels.variants import CUDA_TARGETS, activation_variants, cuda_variants  # noqa: E402
+from layerwise.kernels.variants import CUDA_TARGETS, activation_variants, cuda_variants, gemm_variants  # noqa: E402
 
 VARIANTS = list(cuda_variants("i32")) + list(cuda_variants("i64"))
 ACT_VARIANTS = list(activation_variants("i32")) + list(activation_variants("i64"))
+GEMM_VARIANTS = list(gemm_variants())
 
 
 def _compile(variant, cc: int):
@@ -42,8 +43,26 @@ def test_the_matrix_covers_every_activation_kernel():
         assert f"{kernel}[bfloat16,i64]" in names
 
 
-@pytest.mark.parametrize("cc", CUDA_TARGETS)
-@pytest.mark.parametrize("variant", VARIANTS + ACT_VARIANTS, ids=lambda v: v.name)
+def test_the_matrix_covers_every_gemm():
+    names = {v.name for v in GEMM_VARIANTS}
+    assert len(names) == len(GEMM_VARIANTS)
+    for dtype in ("bfloat16", "float16"):
+        for layout in ("tensor", "channel", "block"):
+            for decode in ("int", "native"):  # sm_80 and sm_89+ forms of the decode tile
+                assert any(n.startswith(f"w8a16_gemm[{dtype},{layout},16x16x") and n.endswith(f",{decode}]")
+                           for n in names)  # fmt: skip
+        assert any(n.startswith(f"w8a8_block_gemm[{dtype},16x16x128,") for n in names)
+    assert "w8a8_block_gemm[bfloat16,16x16x128,i64,nobias]" in names
+    assert "w8a16_gemm[bfloat16,block,16x16x128,i32,bias,native]" in names
+    for v in GEMM_VARIANTS:  # FP8 conversions and tensor cores only where the hardware has them
+        assert set(v.targets) <= ({89, 90} if v.constexprs["FP8_NATIVE"] else {80}), v.name
+
+
+@pytest.mark.parametrize(
+    ("variant", "cc"),
+    [(v, cc) for v in VARIANTS + ACT_VARIANTS + GEMM_VARIANTS for cc in CUDA_TARGETS if cc in v.targets],
+    ids=lambda p: p.name if hasattr(p, "name") else str(p),
+)
 def test_kernel_compiles_to_a_cubin(variant, cc):
     compiled = _compile(variant, cc)
     assert len(compiled.asm["cubin"]) > 0

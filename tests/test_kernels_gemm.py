@@ -1,0 +1,146 @@
+"""Triton FP8 GEMMs (kernels/fp8_gemm.py) against a float64 product of the dequantized operands.
+
+Interpreted on CPU (the same source the GPU compiles; tests/test_cuda.py runs it compiled).
+
+Tolerance, from the arithmetic of the kernels: every product of a bf16/fp16 activation and an
+e4m3 weight is exact in float32 (8 + 4 significant bits), so the float32 sum of K products is off
+by at most about K * 2^-24 * sum_k |x_k w_k| (Higham's bound, u = 2^-24), the scale, the bias
+and the final cast add 3 more roundings of 2^-24 each, and the output cast rounds to nearest:
+half an ulp, at most 2^-8 |y| in bf16 and 2^-11 |y| in fp16. The bound checked is
+    |y - y64| <= 2 * (eps_out * |y64| + (K + 3) * acc_eps * (|x| @ |W|^T + |bias|))
+with acc_eps = 2^-24 (float32 accumulation; FP8 tensor cores on a GPU accumulate with fewer bits,
+tests/test_cuda.py passes a larger acc_eps). A wrong scale, a wrong weight column or a dropped
+K tail moves y by far more than this (see test_the_bound_catches_a_wrong_result).
+"""
+
+import pytest
+import torch
+
+from layerwise.kernels import fp8_quantize_weight, reference
+from layerwise.kernels.fp8_act import quantize_activation
+from layerwise.kernels.fp8_gemm import gemm_tiles, w8a8_block_gemm, w8a16_gemm
+
+SHAPES = [(1, 16, 32), (3, 40, 70), (17, 33, 257), (8, 130, 300)]  # (M, N, K): tails in every dim
+EPS_OUT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def assert_close_to_f64(y, x64, w64, bias64, acc_eps=2.0**-24):
+    """The bound of the module docstring; x64 [M, K] and w64 [N, K] the dequantized operands."""
+    ref = x64 @ w64.t() + (bias64 if bias64 is not None else 0)
+    magnitude = x64.abs() @ w64.abs().t() + (bias64.abs() if bias64 is not None else 0)
+    k = x64.shape[1]
+    bound = 2 * (EPS_OUT[y.dtype] * ref.abs() + (k + 3) * acc_eps * magnitude)
+    err = (y.double().cpu() - ref).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3e}"
+
+
+def _operands(m, n, k, dtype, granularity, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g)
+    w[: n // 2] *= 50  # rows (and blocks) of different magnitude: scales that must not be mixed up
+    q, s = fp8_quantize_weight(w.bfloat16(), granularity)
+    bias = torch.randn(n, generator=g).to(dtype)
+    return x, q, s, bias
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a16_gemm(dtype, granularity):
+    for i, (m, n, k) in enumerate(SHAPES):
+        x, q, s, bias = _operands(m, n, k, dtype, granularity, i)
+        w64 = reference.dequantize(q, s, torch.float64)
+        with_bias = i % 2 == 1
+        y = w8a16_gemm(x, q, s, bias if with_bias else None)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert_close_to_f64(y, x.double(), w64, bias.double() if with_bias else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_block_gemm(dtype):
+    for i, (m, n, k) in enumerate(SHAPES):
+        x, q, s, bias = _operands(m, n, k, dtype, "block", 10 + i)
+        xq, xs = quantize_activation(x, "group")
+        x64 = xq.double() * xs.double().repeat_interleave(128, dim=1)[:, :k]
+        with_bias = i % 2 == 0
+        y = w8a8_block_gemm(xq, xs, q, s, dtype, bias if with_bias else None)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert_close_to_f64(y, x64, reference.dequantize(q, s, torch.float64), bias.double() if with_bias else None)
+
+
+def test_the_bound_catches_a_wrong_result():
+    x, q, s, _ = _operands(8, 130, 300, torch.bfloat16, "block", 0)
+    w64 = reference.dequantize(q, s, torch.float64)
+    y = w8a16_gemm(x, q, s)
+    assert_close_to_f64(y, x.double(), w64, None)
+    s_swapped = s.flip(0)  # the block rows' scales swapped
+    with pytest.raises(AssertionError):
+        assert_close_to_f64(w8a16_gemm(x, q, s_swapped), x.double(), w64, None)
+    y_tail = w8a16_gemm(x[:, :256].contiguous(), q[:, :256].contiguous(), s[:, :2].contiguous())  # K tail dropped
+    with pytest.raises(AssertionError):
+        assert_close_to_f64(y_tail, x.double(), w64, None)
+
+
+def test_empty_and_bad_inputs():
+    q, s = fp8_quantize_weight(torch.randn(32, 16).bfloat16(), "channel")
+    assert w8a16_gemm(torch.empty(0, 16, dtype=torch.bfloat16), q, s).shape == (0, 32)
+    with pytest.raises(ValueError, match="x \\[M, K\\]"):
+        w8a16_gemm(torch.randn(2, 8).bfloat16(), q, s)
+    with pytest.raises(TypeError, match="bf16/fp16"):
+        w8a16_gemm(torch.randn(2, 16), q, s)
+    with pytest.raises(TypeError, match="float8"):
+        w8a16_gemm(torch.randn(2, 16).bfloat16(), q.float(), s)
+    xq, xs = quantize_activation(torch.randn(2, 16).bfloat16(), "token")
+    with pytest.raises(TypeError, match="x_scale"):
+        w8a8_block_gemm(xq, xs.expand(2, 2), q, s, torch.bfloat16)
+
+
+def test_tile_tables_cover_every_m():
+    cuda = torch.device("cuda")
+    for kind in ("w8a16", "block"):
+        for m in (1, 8, 16, 17, 64, 65, 4096, 1 << 20):
+            block_m, block_n, block_k, _, _ = gemm_tiles(m, cuda, kind)
+            assert min(block_m, block_n, block_k) >= 16  # tl.dot's minimum
+            if kind == "block":
+                assert block_k == 128 and 128 % block_n == 0  # one weight block per K step and column tile
+
+
+@pytest.fixture(scope="module")
+def qwen2_checkpoint(tmp_path_factory):
+    """A 2-layer Qwen2 checkpoint (its qkv_proj has a bias: the GEMMs' fused bias is exercised)."""
+    from tests.hf_checkpoints import write_hf_checkpoint
+
+    return write_hf_checkpoint(tmp_path_factory.mktemp("qwen2-gemm"), "Qwen2ForCausalLM")
+
+
+@pytest.mark.parametrize(
+    ("scheme", "fp8_mode"),
+    [("fp8-per-tensor", "w8a16"), ("fp8-per-channel", "w8a16"), ("fp8-per-block", "w8a16"), ("fp8-per-block", "auto")],
+)
+def test_model_forward_through_the_triton_gemms(qwen2_checkpoint, monkeypatch, scheme, fp8_mode):
+    # The CUDA forward path (quant.fp8 with fused_forward true) run here under the interpreter: W8A16
+    # GEMMs, and for per-block "auto" on an FP8 GPU the group-quantized block-scaled W8A8 GEMM.
+    import layerwise
+    import layerwise.kernels.fp8_gemm as fp8_gemm
+    import layerwise.quant.fp8 as quant_fp8
+    from tests.hf_checkpoints import hf_logits, sqnr_db
+
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = layerwise.load_model(qwen2_checkpoint, quantization=scheme, fp8_mode=fp8_mode)
+    with torch.no_grad():
+        torch_path = model(ids).float()
+    calls = []
+    monkeypatch.setattr(quant_fp8, "fused_forward", lambda kernel, x: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(fp8_gemm, "fp8_native", lambda device: True)
+    for name in ("w8a16_gemm", "w8a8_block_gemm"):
+        real = getattr(fp8_gemm, name)
+        monkeypatch.setattr(
+            fp8_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
+    with torch.no_grad():
+        triton_path = model(ids).float()
+    expected = "w8a8_block_gemm" if fp8_mode == "auto" else "w8a16_gemm"
+    assert calls and set(calls) == {expected}
+    assert sqnr_db(hf_logits(qwen2_checkpoint, ids), triton_path) >= 18
+    # same weights, same W8A16 arithmetic up to rounding: far closer to the torch path than to transformers
+    assert sqnr_db(torch_path, triton_path) >= (35 if fp8_mode == "w8a16" else 20)
