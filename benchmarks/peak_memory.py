@@ -131,18 +131,25 @@ def _load(method: str, path: str, device: torch.device, tracker=None):
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
     placement, move = _hf_placement(device)
+    placement.update(_hf_dtype())
     if method == "hf+torchao-quantize_":
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **placement).to(move)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, **placement).to(move)
         if tracker is not None:  # the whole BF16 model is held now (on CPU as mmap views: count them)
             tracker.mark("bf16 model loaded", tracker.current_bytes + tracker.untracked_bytes(_tensors(model)))
         quantize_(model, Float8WeightOnlyConfig(), filter_fn=_non_lm_head_linear)
         return model
     if method == "hf-TorchAoConfig":
         config = transformers.TorchAoConfig(Float8WeightOnlyConfig(), modules_to_not_convert=["lm_head"])
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.bfloat16, quantization_config=config, **placement
-        ).to(move)
+        return transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **placement).to(move)
     raise ValueError(f"unknown method {method!r}")
+
+
+def _hf_dtype() -> dict:
+    """from_pretrained's BF16 argument: ``dtype`` (transformers >= 4.56), ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": torch.bfloat16} if (major, minor) >= (4, 56) else {"torch_dtype": torch.bfloat16}
 
 
 def _hf_placement(device: torch.device) -> tuple[dict, torch.device]:

@@ -28,6 +28,8 @@ BEGIN = re.compile(r"<!-- results:begin.*?-->\n", re.DOTALL)
 END = "<!-- results:end -->"
 # the benchmarks whose CPU results the section needs (the newest JSON of each in the results folder)
 CPU_BENCHMARKS = ["peak_memory", "reload_latency", "quant_kernels", "weight_transfer", "tp_load"]
+# the benchmarks of a GPU's part of the section (the suite's), in the order shown
+GPU_BENCHMARKS = ["suite", "peak_memory", "reload_latency", "decode_step"]
 DEMO_FILE = "demo_load_cpu"
 DEMO_BEGIN = re.compile(r"<!-- demo:begin.*?-->\n", re.DOTALL)
 DEMO_END = "<!-- demo:end -->"
@@ -410,16 +412,17 @@ def _provenance(data: dict) -> str:
 
 
 def _targets(summary: dict, where: str) -> str:
+    t = summary["targets"]
     return f"""#### Issue 14 targets ({where})
 
-`python -m layerwise.benchmarks.suite --device {summary["device"]} --size {summary["size"]}` ({_shape(summary)};
-{_provenance(summary)}); the suite took {summary["total_seconds"]:.0f} s, checkpoint generation
-{summary["generation_seconds"]:.0f} s of it. Targets: load / floor <= {summary["targets"]["load_over_floor"]}
-(GPU: the first load in a fresh process, `import layerwise` included; CPU: the second) and, on CPU,
-first - second load <= \
-{summary["targets"]["first_minus_second_load_seconds"]} s; reload from a stream <= \
-{summary["targets"]["reload_stream_over_copy_floor"]}x the copy floor; decode W8A8 <= \
-{summary["targets"]["decode_w8a8_over_bf16"]}x and W8A16 <= {summary["targets"]["decode_w8a16_over_bf16"]}x BF16.
+`python -m layerwise.benchmarks.suite --device {summary["device"]} --size {summary["size"]}`: \
+{summary["total_seconds"]:.0f} s, checkpoint generation {summary["generation_seconds"]:.0f} s of it.
+Checkpoint: {_shape(summary)}.
+Run with {_provenance(summary)}.
+Targets: load / floor <= {t["load_over_floor"]} (GPU: the first load in a fresh process, `import layerwise`
+included; CPU: the second load); on CPU, first - second load <= {t["first_minus_second_load_seconds"]} s;
+reload from a stream <= {t["reload_stream_over_copy_floor"]}x the copy floor; decode W8A8 <= \
+{t["decode_w8a8_over_bf16"]}x and W8A16 <= {t["decode_w8a16_over_bf16"]}x the BF16 step.
 
 {targets_table(summary)}"""
 
@@ -430,12 +433,13 @@ def _hf_placement(pm: dict) -> str:
 
 def _gpu_section(device: str, data: dict) -> str:
     """The results measured on one GPU: load, reload, decode and the issue's targets."""
-    first = next(iter(data.values()))
+    first = next(data[b] for b in GPU_BENCHMARKS if b in data)
     parts = [
         f"""### On {device}
 
-Every table from the newest results of this GPU ({_shape(first)}; {_provenance(first)}), run by
-`python -m layerwise.benchmarks.suite --device cuda --size {first.get("size")}`; page cache warm."""
+The newest results of this GPU, from `python -m layerwise.benchmarks.suite --device cuda --size {first.get("size")}`;
+page cache warm. Checkpoint: {_shape(first)}.
+Run with {_provenance(first)}."""
     ]
     if "peak_memory" in data:
         pm = data["peak_memory"]
@@ -492,7 +496,7 @@ def section(results: Path, readme: Path) -> str:
     ]
     if ("suite", "cpu") in latest:
         parts.append(_targets(latest[("suite", "cpu")][1], "CPU"))
-    for device in sorted({d for _, d in latest if d != "cpu"}):
+    for device in sorted({d for b, d in latest if d != "cpu" and b in GPU_BENCHMARKS}):
         parts.append(_gpu_section(device, {b: v[1] for (b, d), v in latest.items() if d == device}))
     return "\n\n".join(parts) + "\n"
 

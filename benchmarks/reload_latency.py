@@ -103,6 +103,8 @@ def worker(path: str, device: str, schemes: list[str], repeats: int):
         "pinned": device.type == "cuda",
     }
     del floor_dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     for scheme in schemes:
         model = layerwise.load_model(path, quantization=scheme, device=device)
         sources = ((stream, "stream", "in-memory stream"), (path, "dir", "from disk (page cache warm)"))

@@ -147,8 +147,8 @@ def run(
         results[part] = result
         name = f"{part}_{device.replace(':', '')}_{size}"
         written[part] = str(write_json(result, out_dir, name))
-        if part == "peak_memory":
-            peak_memory.plot(result, out_dir / f"{name}.png")
+        if part == "peak_memory" and importlib.util.find_spec("matplotlib") is not None:
+            peak_memory.plot(result, out_dir / f"{name}.png")  # else no plot: the JSON has the timelines
         print(f"suite: {part} done in {seconds[part]:.0f} s ({_left(deadline):.0f} s left)", file=sys.stderr)
 
     if "peak_memory" in parts:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 ROW_PREFIX = "@@layerwise-row "
@@ -43,17 +46,19 @@ def run_worker(module: str, function: str, kwargs: dict, timeout: float | None =
     Returns:
         a :class:`WorkerResult`; never raises for a failing or slow worker.
     """
-    import time
-
     cmd = [sys.executable, "-m", "layerwise.benchmarks.workers", module, function, json.dumps(kwargs)]
     start = time.perf_counter()
+    # a session of its own: on timeout the whole group goes (compile workers too), so the pipes close
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        return WorkerResult(_rows(e.stdout), f"timed out after {timeout:.0f} s", time.perf_counter() - start)
-    result = WorkerResult(_rows(proc.stdout), None, time.perf_counter() - start)
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        return WorkerResult(_rows(stdout), f"timed out after {timeout:.0f} s", time.perf_counter() - start)
+    result = WorkerResult(_rows(stdout), None, time.perf_counter() - start)
     if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        lines = [line for line in stderr.strip().splitlines() if line.strip()]
         result.error = lines[-1] if lines else f"exit status {proc.returncode}, no output"
     return result
 
