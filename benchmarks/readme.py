@@ -28,6 +28,15 @@ BEGIN = re.compile(r"<!-- results:begin.*?-->\n", re.DOTALL)
 END = "<!-- results:end -->"
 # the benchmarks whose CPU results the section needs (the newest JSON of each in the results folder)
 CPU_BENCHMARKS = ["peak_memory", "reload_latency", "quant_kernels", "weight_transfer", "tp_load"]
+# The default-size CPU results by benchmark. Only tests/test_benchmark_weight_transfer.py still reads it; the
+# section shows the newest results of each benchmark (latest_results), which may be another size.
+FILES = {
+    "peak_memory": "peak_memory_cpu_default",
+    "reload_latency": "reload_latency_cpu_default",
+    "quant_kernels": "quant_kernels_cpu",
+    "weight_transfer": "weight_transfer_cpu_default",
+    "tp_load": "tp_load_cpu_default",
+}
 # the benchmarks of a GPU's part of the section (the suite's), in the order shown
 GPU_BENCHMARKS = ["suite", "peak_memory", "reload_latency", "decode_step"]
 DEMO_FILE = "demo_load_cpu"
