@@ -23,13 +23,14 @@ subclass reassembled. That is exact only where every output row depends on its i
    chunk's result differs in kind from the first chunk's (plain vs subclass, another type or
    metadata) the whole weight is quantized at once instead, so the result is always torchao's
    result for the whole weight.
-3. Where this module reproduces torchao's arithmetic (``Float8Tensor`` per row with torchao's torch kernel,
-   see :func:`_float8_rows`), only the first chunk and a shorter last chunk go through ``quantize_``; the
-   rest is computed here, with no per-chunk ``quantize_`` overhead (nn.Linear, Parameter, config checks,
-   the subclass built and flattened). The torchao results are compared byte for byte with the local
-   arithmetic, and any difference sends the weight back to ``quantize_`` per chunk. This assumes that
-   torchao's decision to quantize or skip a chunk depends on its shape, dtype and device, not its values
-   (true of torchao 0.18), so the middle chunks, shaped like the first, are quantized where it is.
+3. Where this module reproduces torchao's arithmetic (``_LOCAL_ROWS``: ``Float8Tensor`` and ``Int8Tensor``
+   per row, see :func:`_float8_rows`, :func:`_int8_rows`), only the first chunk and a shorter last chunk
+   go through ``quantize_``; the rest is computed here, without the per-chunk cost of ``quantize_``
+   (an nn.Linear, config checks, the subclass built and flattened). The torchao results are compared
+   byte for byte with the local ones, and any difference sends the weight back to ``quantize_`` per
+   chunk. This assumes that torchao's decision to quantize or skip a chunk depends on its shape, dtype
+   and device, not its values (true of torchao 0.18), so the middle chunks, shaped like the first, are
+   quantized where it is.
 """
 
 from __future__ import annotations
@@ -102,34 +103,67 @@ def _row_layout(t: torch.Tensor, rows: int):
     return type(t), list(names), ctx
 
 
-def _float8_rows(w: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, work: torch.Tensor) -> None:
-    """Per-row float8 quantization of ``w`` [R, K] into ``qdata`` [R, K] (float8) and ``scale`` [R, 1]
-    (float32), byte-identical to torchao's ``Float8Tensor.from_hp(w, granularity=PerRow())`` with the
-    torch kernel (``_choose_scale_float8`` then ``_quantize_affine_float8``, torchao 0.18): the row amax
-    and ``amax / max`` are computed in ``w.dtype`` (a BF16 weight gets a BF16-rounded scale), then
-    ``clamp(w.float() / scale, -max, max)`` is cast. ``work`` is a float32 buffer of at least
-    ``w.numel()`` elements (no other temporary is the size of ``w``)."""
+def _float8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> None:
+    """Per-row float8 quantization of ``w`` [R, K] into ``out["qdata"]`` [R, K] (float8) and ``out["scale"]``
+    [R, 1] (float32), byte-identical to torchao's ``Float8Tensor.from_hp(w, granularity=PerRow())`` with its
+    torch kernel (``_choose_scale_float8`` then ``_quantize_affine_float8``, torchao 0.18): the row amax and
+    ``amax / max`` are computed in ``w.dtype`` (a BF16 weight gets a BF16-rounded scale), then
+    ``clamp(w.float() / scale, -max, max)`` is cast. An all-zero row gets scale 0 and NaN bytes, as in
+    torchao. ``work``: float32, at least ``w.numel()`` elements (no other temporary is that large but
+    ``w.abs()``)."""
+    qdata, scale = out["qdata"], out["scale"]
     fmax = torch.finfo(qdata.dtype).max
     scale.copy_(w.abs().amax(dim=1, keepdim=True) / fmax)  # (torch.aminmax over rows is ~20x slower on CPU)
     x = torch.div(w, scale, out=work[: w.numel()].view(w.shape))  # promoted to float32, as w.float() / scale
     qdata.copy_(x.clamp_(-fmax, fmax))
 
 
-def _float8_fast_path_applies(layout, device: torch.device) -> bool:
-    """Whether torchao quantizes a chunk of this ``layout`` with the torch kernel that :func:`_float8_rows`
-    reproduces: a Float8Tensor per row, not the MSLK kernel (which torchao picks on CUDA sm90+ where the
-    mslk package is installed, or when asked by ``kernel_preference``)."""
-    cls, names, ctx = layout
-    if cls.__name__ != "Float8Tensor" or sorted(names) != ["qdata", "scale"]:
-        return False
-    preference = getattr(ctx.get("kernel_preference"), "name", "AUTO")
-    if preference == "MSLK":
-        return False
-    if device.type == "cuda":
-        from torchao.utils import _is_mslk_available
+def _int8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> None:
+    """Per-row symmetric int8 quantization of ``w`` [R, K] into ``out["qdata"]`` [R, K] (int8), ``out["scale"]``
+    [R, 1] (float32) and ``out["zero_point"]`` [R, 1] (int8, zeros), byte-identical to torchao's
+    ``Int8Tensor.from_hp(w, granularity=PerRow())`` (``choose_qparams_affine`` SYMMETRIC with float32 eps,
+    then ``quantize_affine``, torchao 0.18): scale = max(-min(row_min, 0), max(row_max, 0)) / ((qmax - qmin)
+    / 2) in ``w.dtype``, clamped to >= eps, then ``clamp(round(w * (1 / scale)), qmin, qmax)`` in float32;
+    [qmin, qmax] = [-128, 127], or [-64, 63] with ``reduce_range``. (torchao also adds the zero point, 0
+    for symmetric mappings: that only turns -0.0 into +0.0, the same int8 byte.) ``work`` as in
+    :func:`_float8_rows`."""
+    qdata, scale, zero_point = out["qdata"], out["scale"], out["zero_point"]
+    qmin, qmax = (-64, 63) if ctx.get("reduce_range") else (-128, 127)
+    min_val = torch.amin(w, dim=1, keepdim=True)
+    max_val = torch.amax(w, dim=1, keepdim=True)
+    min_neg = torch.min(min_val, torch.zeros_like(min_val))
+    max_pos = torch.max(-min_neg, torch.max(max_val, torch.zeros_like(max_val)))
+    scale.copy_(torch.clamp(max_pos / (float(qmax - qmin) / 2), min=torch.finfo(torch.float32).eps))
+    zero_point.zero_()
+    x = torch.mul(w, 1.0 / scale, out=work[: w.numel()].view(w.shape))  # float32, as torchao's w * (1 / scale)
+    qdata.copy_(x.round_().clamp_(qmin, qmax))
 
-        return not _is_mslk_available()
-    return True
+
+#: torchao tensor type -> (inner tensor names, this module's arithmetic for its chunks) (Limitations 3)
+_LOCAL_ROWS = {
+    "Float8Tensor": (["qdata", "scale"], _float8_rows),
+    "Int8Tensor": (["qdata", "scale", "zero_point"], _int8_rows),
+}
+
+
+def _local_rows(layout, k: int, device: torch.device):
+    """This module's arithmetic for chunks of ``layout`` where it may reproduce torchao's (Limitations 3), else
+    None: one scale per row (block_size [1, K]), the inner tensors it writes, and for Float8Tensor torchao's
+    torch kernel, not MSLK (which torchao picks on CUDA sm90+ where the mslk package is installed, or when
+    ``kernel_preference`` asks for it)."""
+    cls, names, ctx = layout
+    names_and_fn = _LOCAL_ROWS.get(cls.__name__)
+    if names_and_fn is None or names != names_and_fn[0] or list(ctx["block_size"]) != [1, k]:
+        return None
+    if cls.__name__ == "Float8Tensor":
+        if getattr(ctx.get("kernel_preference"), "name", "AUTO") == "MSLK":
+            return None
+        if device.type == "cuda":
+            from torchao.utils import _is_mslk_available
+
+            if _is_mslk_available():
+                return None
+    return names_and_fn[1]
 
 
 class TorchaoLinearMethod(QuantMethod):
@@ -182,7 +216,8 @@ class TorchaoLinearMethod(QuantMethod):
             return self._quantize(weight)
         cls, names, ctx = layout
         inner = {name: getattr(first, name).new_empty((n, *getattr(first, name).shape[1:])) for name in names}
-        if _float8_fast_path_applies(layout, weight.device):
+        local_rows = _local_rows(layout, k, weight.device)
+        if local_rows is not None:
             references = [(0, first)]
             if n % rows:  # torchao's own result for the shorter last chunk: skipped, or its bytes
                 last = quantize_whole(weight[n - n % rows :], self._chunk_config)
@@ -190,7 +225,7 @@ class TorchaoLinearMethod(QuantMethod):
                     del first, last, references, inner
                     return self._quantize(weight)
                 references.append((n - n % rows, last))
-            if self._float8_chunks(weight, rows, references, inner):
+            if self._local_chunks(local_rows, weight, rows, references, layout, inner):
                 return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
             del references
         for name in names:
@@ -207,24 +242,23 @@ class TorchaoLinearMethod(QuantMethod):
             del part
         return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
 
-    def _float8_chunks(self, weight: torch.Tensor, rows: int, references: list, inner: dict) -> bool:
-        """Fill ``inner`` (qdata, scale) with :func:`_float8_rows`, ``rows`` at a time (Limitations 3); False
-        (``inner`` then partly written) where the local bytes differ from a torchao result in ``references``
-        ((first row, Float8Tensor) pairs: the first chunk, a shorter last one)."""
+    def _local_chunks(self, local_rows, weight: torch.Tensor, rows: int, references: list, layout, inner: dict):
+        """Fill ``inner`` with ``local_rows``, ``rows`` at a time (Limitations 3); False (``inner`` then partly
+        written) where the local bytes differ from a torchao result in ``references`` ((first row, torchao
+        tensor) pairs: the first chunk, a shorter last one)."""
         n, k = weight.shape
-        qdata, scale = inner["qdata"], inner["scale"]
+        _, names, ctx = layout
         work = torch.empty(rows * k, dtype=torch.float32, device=weight.device)
         for r0, reference in references:
             r1 = r0 + reference.shape[0]
-            _float8_rows(weight[r0:r1], qdata[r0:r1], scale[r0:r1], work)
-            same = torch.equal(qdata[r0:r1].view(torch.uint8), reference.qdata.view(torch.uint8)) and torch.equal(
-                scale[r0:r1].view(torch.int32), reference.scale.view(torch.int32)
-            )
-            if not same:
-                logger.warning("%s: the local float8 arithmetic differs from torchao's; quantize_ per chunk", self.name)
-                return False
+            local_rows(weight[r0:r1], {name: inner[name][r0:r1] for name in names}, ctx, work)
+            for name in names:
+                want = getattr(reference, name)
+                if not torch.equal(inner[name][r0:r1].view(torch.uint8), want.view(torch.uint8)):
+                    logger.warning("%s: the local %s differs from torchao's; quantize_ per chunk", self.name, name)
+                    return False
         for r0 in range(rows, n - n % rows, rows):
-            _float8_rows(weight[r0 : r0 + rows], qdata[r0 : r0 + rows], scale[r0 : r0 + rows], work)
+            local_rows(weight[r0 : r0 + rows], {name: inner[name][r0 : r0 + rows] for name in names}, ctx, work)
         return True
 
     def _quantize(self, weight: torch.Tensor) -> torch.Tensor:

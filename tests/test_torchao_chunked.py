@@ -78,33 +78,45 @@ def test_row_chunks_equal_quantize_of_the_whole_linear(name, n, calls):
 
 
 @pytest.mark.parametrize("n", [8 * 32, 8 * 32 + 24])
-def test_float8_rows_after_the_first_chunk_are_quantized_without_quantize_(n, calls):
+@pytest.mark.parametrize(
+    "name", ["Float8WeightOnlyConfig", "Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig"]
+)
+def test_rows_after_the_first_chunk_are_quantized_without_quantize_(name, n, calls):
     """Limitations 3: torchao quantizes the first chunk (and a shorter last one), the local arithmetic the rest."""
     w = weight(n)
-    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
-    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig()))
+    got = TorchaoLinearMethod(name, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, getattr(tq, name)()))
     assert calls == [32] + ([n % 32] if n % 32 else []), calls
 
 
-def test_float32_weights_take_the_local_float8_path_too(calls):
-    w = weight(8 * 32).float() * 1e-3  # a float32 scale: amax / 448 in float32
-    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
-    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig()))
+@pytest.mark.parametrize("name", ["Float8WeightOnlyConfig", "Int8WeightOnlyConfig"])
+def test_float32_weights_take_the_local_path_too(name, calls):
+    w = weight(8 * 32).float() * 1e-3  # float32 scales: amax / 448 in float32
+    got = TorchaoLinearMethod(name, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, getattr(tq, name)()))
     assert calls == [32]
 
 
+def test_int8_reduce_range_takes_the_local_path(calls):
+    config = tq.Int8DynamicActivationInt8WeightConfig(reduce_range=True)
+    w = weight(8 * 32)
+    got = TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Int8DynamicActivationInt8WeightConfig(reduce_range=True)))
+    assert got.qdata.min() >= -64 and got.qdata.max() <= 63 and calls == [32]
+
+
 def test_local_float8_bytes_that_differ_from_torchao_fall_back_to_quantize_(monkeypatch, calls, caplog):
-    real = quant_torchao._float8_rows
+    names, real = quant_torchao._LOCAL_ROWS["Float8Tensor"]
 
-    def off_by_one_ulp(w, qdata, scale, work):
-        real(w, qdata, scale, work)
-        scale.view(torch.int32).add_(1)
+    def off_by_one_ulp(w, out, ctx, work):
+        real(w, out, ctx, work)
+        out["scale"].view(torch.int32).add_(1)
 
-    monkeypatch.setattr(quant_torchao, "_float8_rows", off_by_one_ulp)
+    monkeypatch.setattr(quant_torchao, "_LOCAL_ROWS", {"Float8Tensor": (names, off_by_one_ulp)})
     w = weight(8 * 32)
     got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL).quantize_rows(w)
     assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig()))
-    assert calls == [32] * 8 and "differs from torchao" in caplog.text
+    assert calls == [32] * 8 and "local scale differs from torchao" in caplog.text
 
 
 def test_per_tensor_scales_are_not_chunked(calls):
