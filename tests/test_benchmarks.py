@@ -294,6 +294,8 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
         for source in ("dir", "stream"):
             assert summary[f"reload_{source}_over_copy_floor"][scheme] == rl[(scheme, source)]["seconds"] / floor
         assert summary["met"][f"reload stream {scheme}"] == (rl[(scheme, "stream")]["seconds"] / floor <= 2.0)
+    assert summary["peak_minus_final_over_largest_layer"] == {"fp8-per-tensor": ours["overhead_over_largest_layer"]}
+    assert summary["met"]["peak fp8-per-tensor"] == (ours["overhead_over_largest_layer"] <= 1.0)
     assert summary["met"]["load fp8-per-tensor"] == (summary["load_over_floor"]["fp8-per-tensor"] <= 1.5)
     assert summary["decode_over_bf16"] == {}
 
