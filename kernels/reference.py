@@ -196,16 +196,23 @@ def _expand_rows(scale: torch.Tensor, granularity: str, r0: int, r1: int, n_cols
     return rows.repeat_interleave(bk, dim=1)[:, :n_cols]
 
 
-def quantize(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize(
+    w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None, *, within_range: bool = False
+) -> torch.Tensor:
     """Quantize ``w`` to float8_e4m3fn with per-tensor, per-channel or per-block scales.
 
     Args:
         w: floating tensor; any shape with one scale, else 2-D [N, K].
         scale: float32, 1 element, [N, 1], or [ceil(N/128), ceil(K/128)] (layout read off its shape).
         out: optional contiguous float8_e4m3fn tensor of w's shape, written in place.
+        within_range: the caller guarantees |w| / scale < 464 everywhere (true for a scale from w's own
+            amax: |w| / (amax / 448) <= 448 * (1 + 2^-23)); the clamp is then skipped, which changes no
+            byte (torch's e4m3 cast rounds every value below 464 to at most 448, as after the clamp).
     Returns:
         float8_e4m3fn tensor of w's shape (``out`` when given). ``w`` is never modified.
-    Work is done in row chunks, so the float32 temporaries stay <= 4 MiB.
+    Work is done in row chunks, so the float32 temporaries stay <= 4 MiB. A bf16/fp16/fp32 ``w`` is
+    widened inside the division (``torch.div(..., out=float32 buffer)``: exact, one pass instead of a copy
+    and an in-place division).
     """
     granularity = scale_layout(w, scale)
     if out is None:
@@ -216,25 +223,37 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = No
     n, k = src.shape
     # One float32 work buffer, reused: w is never written, even when it is float32 already.
     buf = torch.empty(min(CHUNK_NUMEL, src.numel()), dtype=torch.float32, device=w.device)
+    widen_in_div = w.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+    def divide(tmp: torch.Tensor, part: torch.Tensor, divisor: torch.Tensor) -> None:
+        # divisor has >= 1 dim, so type promotion computes in float32 (a 0-dim one would leave it bf16)
+        if widen_in_div:
+            torch.div(part, divisor, out=tmp)
+        else:
+            tmp.copy_(part)
+            tmp.div_(divisor)
+
     if granularity == "tensor":  # one long row: chunk along it
         for c0 in range(0, k, CHUNK_NUMEL):
             c1 = min(c0 + CHUNK_NUMEL, k)
             tmp = buf[: c1 - c0].view(1, -1)
-            tmp.copy_(src[:, c0:c1])
-            tmp.div_(scale.reshape(())).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            divide(tmp, src[:, c0:c1], scale.reshape(1))
+            if not within_range:
+                tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
             dst[:, c0:c1].copy_(tmp)
         return out
     bk = BLOCK_SIZE[1]
     for r0, r1 in _row_chunks(n, k):
         tmp = buf[: (r1 - r0) * k].view(r1 - r0, k)
-        tmp.copy_(src[r0:r1])
         if granularity == "channel":
-            tmp.div_(scale[r0:r1])
+            divide(tmp, src[r0:r1], scale[r0:r1])
         else:  # one 128-column slice at a time: the scale is never expanded to the chunk's size
             scale_rows = _expand_rows(scale, "block_rows", r0, r1, k)  # [rows, ceil(K / 128)]
             for j in range(scale_rows.shape[1]):
-                tmp[:, j * bk : (j + 1) * bk].div_(scale_rows[:, j : j + 1])
-        tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+                cols = slice(j * bk, (j + 1) * bk)
+                divide(tmp[:, cols], src[r0:r1, cols], scale_rows[:, j : j + 1])
+        if not within_range:
+            tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         dst[r0:r1].copy_(tmp)
     return out
 

@@ -232,3 +232,21 @@ def test_eager_triton_ops_do_not_import_the_compiler_stack():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_skipping_the_clamp_for_an_own_amax_scale_changes_no_byte(granularity):
+    # fp8_quantize_weight's reference path skips the clamp (within_range): |w| / scale may exceed 448 by an
+    # ulp where amax / 448 rounds down; torch's cast must still give 448's byte. 4096 amaxes, one per row.
+    g = torch.Generator().manual_seed(11)
+    amaxes = torch.exp(torch.empty(4096).uniform_(-80, 80, generator=g)).clamp(max=3e38)
+    w = torch.rand(4096, 130, generator=g) * amaxes[:, None]
+    w[:, 0], w[:, 1] = amaxes, -amaxes
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = w.to(dtype) if dtype != torch.float16 else (w / amaxes[:, None] * 60000).to(dtype)
+        scale = scale_from_amax(reference.amax(x, granularity))
+        fast = reference.quantize(x, scale, within_range=True)
+        assert torch.equal(_bits(fast), _bits(reference.quantize(x, scale)))
+        expanded = reference._expand_rows(scale, granularity, 0, x.shape[0], x.shape[1])
+        own_cast = (x.float() / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)  # torch's own formula
+        assert torch.equal(_bits(fast), _bits(own_cast))
