@@ -3,8 +3,9 @@
     python -m layerwise.benchmarks.suite --device cuda --size 8b --out-dir DIR [--budget 500]
 
 1. generates the ``--size`` checkpoint (or reuses it; on CUDA the values are drawn on the GPU);
-2. ``peak_memory``: the floor, layerwise for every FP8 scheme and a torchao config (first and second load
-   in a fresh process each), transformers + torchao ``quantize_``, transformers ``TorchAoConfig``;
+2. ``peak_memory``: the floor, layerwise for every FP8 scheme and a torchao config (a fresh process each: its
+   first load, then one more on CUDA, three more on CPU), transformers + torchao ``quantize_``, transformers
+   ``TorchAoConfig`` (and on CPU, loading in BF16 then quantizing);
 3. ``reload_latency``: every scheme, from the checkpoint directory and from a pinned in-memory stream,
    against the H2D copy floor;
 4. ``decode_step`` (CUDA only): FP8 per-tensor, per-channel and per-block as W8A8 and W8A16, and torchao
@@ -168,8 +169,8 @@ def run(
             device,
             methods,
             cache,
-            loads=2,
-            hf_loads=1,
+            loads=2 if kind == "cuda" else 4,  # CPU: the first, then the best of three (as the figures)
+            hf_loads=1 if kind == "cuda" else 2,
             timeout=max(45.0, share / 3),  # no one method may starve the others
             skipped=skipped,
             deadline=began + share,
