@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerwise.errors import NonFiniteWeightError
+from layerwise.kernels import has_non_finite
 from layerwise.kernels.reference import CHUNK_NUMEL
 from layerwise.optional import import_optional
 from layerwise.quant.base import QuantMethod, check_finite
@@ -166,6 +168,12 @@ def _local_rows(layout, k: int, device: torch.device):
     return names_and_fn[1]
 
 
+def _check_finite(t: torch.Tensor) -> None:
+    """Raise NonFiniteWeightError (naming the parameter 'weight') where ``t`` holds NaN or Inf."""
+    if has_non_finite(t):
+        raise NonFiniteWeightError("parameter 'weight' holds NaN or Inf")
+
+
 class TorchaoLinearMethod(QuantMethod):
     """Applies a torchao config to one Linear weight at a time.
 
@@ -204,6 +212,9 @@ class TorchaoLinearMethod(QuantMethod):
         Returns:
             the torchao tensor subclass [N, K] (e.g. Float8Tensor: qdata float8 [N, K], scale float32 [N, 1]),
             or a plain tensor where torchao leaves the weight unquantized (logged as a warning).
+        Raises:
+            NonFiniteWeightError: ``weight`` holds NaN or Inf (checked on the row scales where the chunks are
+                computed locally: a non-finite row has a non-finite scale; else on ``weight``).
         """
         n, k = weight.shape
         rows = self._chunk_rows(n, k)
@@ -226,8 +237,10 @@ class TorchaoLinearMethod(QuantMethod):
                     return self._quantize(weight)
                 references.append((n - n % rows, last))
             if self._local_chunks(local_rows, weight, rows, references, layout, inner):
+                _check_finite(inner["scale"])  # NaN and Inf in a row reach its amax and min
                 return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
             del references
+        _check_finite(weight)
         for name in names:
             inner[name][:rows].copy_(getattr(first, name))
         del first
@@ -262,7 +275,9 @@ class TorchaoLinearMethod(QuantMethod):
         return True
 
     def _quantize(self, weight: torch.Tensor) -> torch.Tensor:
-        """The whole ``weight`` [N, K] through :func:`quantize_whole`; a weight torchao leaves plain is logged."""
+        """The whole ``weight`` [N, K] through :func:`quantize_whole`, after the finiteness check; a weight torchao
+        leaves plain is logged."""
+        _check_finite(weight)
         quantized = quantize_whole(weight, self.config)
         if not hasattr(quantized, "__tensor_flatten__"):
             logger.warning(
@@ -271,7 +286,12 @@ class TorchaoLinearMethod(QuantMethod):
         return quantized
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        check_finite(layer)
+        """Replace ``layer.weight`` [N, K] by :meth:`quantize_rows` of it.
+
+        Raises:
+            NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
+        """
+        check_finite(layer, skip=("weight",))  # the weight's own check is in quantize_rows
         quantized = self.quantize_rows(layer.weight.data)
         del layer.weight
         layer.weight = nn.Parameter(quantized, requires_grad=False)

@@ -210,3 +210,26 @@ def test_row_chunks_on_cuda_llama_8b_down_proj(name):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(4096, 14336, generator=g, device="cuda") * 0.02).bfloat16()
     assert_same_bytes(TorchaoLinearMethod(name).quantize_rows(w), reference(w, getattr(tq, name)()))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", ["Float8WeightOnlyConfig", "Int8WeightOnlyConfig", "IntxWeightOnlyConfig"])
+@pytest.mark.parametrize("n", [8 * 32, ROW_ALIGN])  # chunked (local or quantize_ per chunk); whole
+def test_a_non_finite_weight_is_a_clear_error(name, n, bad):
+    from layerwise.errors import NonFiniteWeightError
+
+    w = weight(n)
+    w[n - 5, 7] = bad  # in a later chunk, computed locally for Float8 and Int8
+    with pytest.raises(NonFiniteWeightError, match="'weight'"):
+        TorchaoLinearMethod(name, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+
+
+def test_a_non_finite_bias_is_a_clear_error():
+    from layerwise.errors import NonFiniteWeightError
+
+    layer = nn.Linear(K, 8 * 32).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(weight(8 * 32))
+        layer.bias[3] = float("nan")
+    with pytest.raises(NonFiniteWeightError, match="'bias'"):
+        TorchaoLinearMethod("Float8WeightOnlyConfig").process_weights_after_loading(layer)
