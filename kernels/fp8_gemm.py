@@ -28,6 +28,8 @@ products (``DOT_DTYPE``); bf16 output is rounded half to even by hand, as in ``f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from layerwise.kernels.fp8_act import GROUP_SIZE
@@ -186,7 +188,12 @@ def _w8a8_block_gemm_kernel(
 
 def fp8_native(device: torch.device) -> bool:
     """Whether ``device`` converts and multiplies e4m3 in hardware (CUDA sm_89+)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def dot_dtype(dtype: torch.dtype, device: torch.device):

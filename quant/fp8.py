@@ -120,12 +120,15 @@ class Fp8LinearMethod(QuantMethod):
     Args:
         granularity: "tensor", "channel" or "block".
         kernel: "torch" or "triton": the kernels that quantize at load time and dequantize (W8A16).
-        mode: "auto" (W8A8 on CUDA sm89+ when both weight dims are multiples of 16, else W8A16),
-            "w8a8" (also on CPU, where it is slow; not for "block"), or "w8a16".
+        mode: "auto" (W8A8 on CUDA sm89+ when both weight dims are multiples of 16, else W8A16; per-block:
+            the Triton block-scaled W8A8 GEMM on CUDA sm89+ with kernel "triton", else W8A16),
+            "w8a8" (also on CPU, where it is slow; per-block: CUDA sm89+ with kernel "triton" only), or "w8a16".
         amax_reduce: for per-tensor scales under tensor parallelism, an in-place max-reduction of the
             rank's float32 amax over the group (None: the local amax).
     Raises:
-        ValueError: unknown mode or granularity, or w8a8 with per-block scales.
+        ValueError: unknown mode or granularity.
+    The forward raises RuntimeError where mode "w8a8" cannot run (see ``_use_scaled_mm``; per-block: not
+    CUDA sm89+ with kernel "triton" and bf16/fp16 activations).
     """
 
     def __init__(
@@ -139,8 +142,6 @@ class Fp8LinearMethod(QuantMethod):
             raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {FP8_MODES}")
         if granularity not in SCALE_NAMES:
             raise ValueError(f"unknown granularity {granularity!r}; choose one of {tuple(SCALE_NAMES)}")
-        if granularity == "block" and mode == "w8a8":
-            raise ValueError("w8a8 is not available for per-block scales; use w8a16 or auto")
         self.granularity, self.kernel, self.mode = granularity, kernel, mode
         self.amax_reduce = amax_reduce
         self.sharded_dim: str | None = None  # "output" / "input" under tensor parallelism (configure_tp_shard)
@@ -216,7 +217,7 @@ class Fp8LinearMethod(QuantMethod):
             _warn_once(
                 (self.name, dtype, weight.device.type),
                 f"{self.name}: torch._scaled_mm does not take {dtype} activations on {weight.device.type}; "
-                f"running W8A16 (dequantize, then matmul) for them instead",
+                f"running W8A16 for them instead",
             )
             return False
         return True
@@ -238,7 +239,7 @@ class Fp8LinearMethod(QuantMethod):
         if self.granularity == "block" and self.mode != "w8a16" and fp8_native(x.device):
             xq, x_scale = quantize_activation(x2, "group")
             y = w8a8_block_gemm(xq, x_scale, weight, scale, x.dtype, bias)
-        elif x2.shape[0] <= W8A16_GEMM_MAX_M:
+        elif x2.shape[0] <= W8A16_GEMM_MAX_M and not (self.granularity == "block" and self.mode == "w8a8"):
             y = w8a16_gemm(x2, weight, scale, bias)
         else:
             return None
@@ -253,6 +254,12 @@ class Fp8LinearMethod(QuantMethod):
             y = self._apply_triton_gemm(weight, scale, x, bias) if fused_forward(self.kernel, x) else None
             if y is not None:
                 return y
+            if self.granularity == "block" and self.mode == "w8a8":
+                raise RuntimeError(
+                    f"w8a8 with per-block scales runs on CUDA sm89+ with kernel='triton' and bf16/fp16 "
+                    f"activations only (the Triton block-scaled GEMM); got {x.dtype} on {x.device}, "
+                    f"kernel={self.kernel!r}; use fp8_mode='auto' or 'w8a16'"
+                )
             return F.linear(x, fp8_dequantize(weight, scale, x.dtype, self.kernel), bias)
         x2 = x.reshape(-1, x.shape[-1])
         act_granularity = "token" if self.granularity == "channel" else "tensor"

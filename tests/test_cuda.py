@@ -123,6 +123,7 @@ FORWARD_CASES = [
     ("fp8-per-tensor", "auto", "_scaled_mm"),  # fused per-tensor activation quant + torch._scaled_mm
     ("fp8-per-channel", "auto", "_scaled_mm"),  # fused per-token activation quant + row-wise _scaled_mm
     ("fp8-per-block", "auto", "w8a8_block_gemm"),  # per-group activation quant + block-scaled FP8 GEMM
+    ("fp8-per-block", "w8a8", "w8a8_block_gemm"),
     ("fp8-per-tensor", "w8a16", "w8a16_gemm"),
     ("fp8-per-channel", "w8a16", "w8a16_gemm"),
     ("fp8-per-block", "w8a16", "w8a16_gemm"),

@@ -115,7 +115,13 @@ def qwen2_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("scheme", "fp8_mode"),
-    [("fp8-per-tensor", "w8a16"), ("fp8-per-channel", "w8a16"), ("fp8-per-block", "w8a16"), ("fp8-per-block", "auto")],
+    [
+        ("fp8-per-tensor", "w8a16"),
+        ("fp8-per-channel", "w8a16"),
+        ("fp8-per-block", "w8a16"),
+        ("fp8-per-block", "auto"),
+        ("fp8-per-block", "w8a8"),
+    ],
 )
 def test_model_forward_through_the_triton_gemms(qwen2_checkpoint, monkeypatch, scheme, fp8_mode):
     # The CUDA forward path (quant.fp8 with fused_forward true) run here under the interpreter: W8A16
@@ -127,19 +133,27 @@ def test_model_forward_through_the_triton_gemms(qwen2_checkpoint, monkeypatch, s
 
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     model = layerwise.load_model(qwen2_checkpoint, quantization=scheme, fp8_mode=fp8_mode)
+    torch_model = model
+    if fp8_mode == "w8a8":  # per-block W8A8 exists only as the Triton GEMM on an FP8 GPU: refused on CPU
+        with pytest.raises(RuntimeError, match="sm89"), torch.no_grad():
+            model(ids)
+        torch_model = layerwise.load_model(qwen2_checkpoint, quantization=scheme, fp8_mode="w8a16")
     with torch.no_grad():
-        torch_path = model(ids).float()
+        torch_path = torch_model(ids).float()
     calls = []
     monkeypatch.setattr(quant_fp8, "fused_forward", lambda kernel, x: x.dtype == torch.bfloat16)
     monkeypatch.setattr(fp8_gemm, "fp8_native", lambda device: True)
     for name in ("w8a16_gemm", "w8a8_block_gemm"):
         real = getattr(fp8_gemm, name)
-        monkeypatch.setattr(
-            fp8_gemm, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
-        )
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fp8_gemm, name, counted)
     with torch.no_grad():
         triton_path = model(ids).float()
-    expected = "w8a8_block_gemm" if fp8_mode == "auto" else "w8a16_gemm"
+    expected = "w8a16_gemm" if fp8_mode == "w8a16" else "w8a8_block_gemm"
     assert calls and set(calls) == {expected}
     assert sqnr_db(hf_logits(qwen2_checkpoint, ids), triton_path) >= 18
     # same weights, same W8A16 arithmetic up to rounding: far closer to the torch path than to transformers
