@@ -121,6 +121,7 @@ _TARGET_ROWS = [  # (field of the suite summary, what it is)
     ("first_load_over_floor", "first load in a fresh process / floor"),
     ("first_load_with_import_over_floor", "the same + `import layerwise` / floor"),
     ("first_minus_second_load_seconds", "first - second load, seconds"),
+    ("first_minus_best_load_seconds", "first - best later load, seconds"),
     ("peak_minus_final_over_largest_layer", "(peak - final) / largest BF16 layer"),
     ("reload_dir_over_copy_floor", "reload from the checkpoint dir / copy floor"),
     ("reload_stream_over_copy_floor", "reload from an in-memory stream / copy floor"),

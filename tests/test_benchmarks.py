@@ -81,6 +81,7 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
         assert r["peak_bytes"] >= r["final_bytes"] > 0
         assert r["load_seconds"] == [r["first_seconds"], r["second_seconds"]]  # --loads 2 (the default)
         assert r["first_minus_second_seconds"] == r["first_seconds"] - r["second_seconds"]
+        assert r["first_minus_best_seconds"] == r["first_seconds"] - r["seconds"]
         assert r["time_over_floor"] == r["seconds"] / floor
         assert r["first_over_floor"] == r["first_seconds"] / floor
         if r["method"].startswith("layerwise-"):
