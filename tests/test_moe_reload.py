@@ -155,6 +155,29 @@ def test_missing_expert_on_first_load_names_its_key(pair, tmp_path):
     assert _expert_key(arch, 2, 5, 0) not in str(e.value)  # the gate projection did arrive
 
 
+def test_a_whole_missing_moe_layer_is_named_briefly(pair):
+    arch, a, _ = pair
+    block = MOE_NAMES[arch][0]
+    stream = [(k, t) for k, t in Checkpoint(a) if f"layers.2.{block}.experts." not in k]
+    with pytest.raises(layerwise.MissingWeightError) as e:
+        load_from_stream(a, stream)
+    assert _expert_key(arch, 2, 0, 0) in str(e.value)
+    assert f"and 16 more tensors of model.layers.2.{block}.experts" in str(e.value)  # 24 keys, 8 named
+
+
+def test_kernel_format_reload_of_experts(pair):
+    _, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8-per-channel")
+    snap = _snapshot(model)
+    fresh_b = layerwise.load_model(b, quantization="fp8-per-channel")
+    stream = [(k, t) for k, t in fresh_b.state_dict().items() if ".experts." in k]
+    names = {k.rsplit(".", 1)[1] for k, _ in stream}
+    assert names == {"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"}
+    layerwise.reload_weights(model, stream, is_checkpoint_format=False)
+    _assert_in_place(model, snap)
+    assert torch.equal(as_bytes(_experts(model).w13_weight), as_bytes(_experts(fresh_b).w13_weight))
+
+
 def test_missing_expert_file_tensor_on_load(pair, tmp_path):
     arch, a, _ = pair
     missing = _expert_key(arch, 1, 7, 2)

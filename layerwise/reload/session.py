@@ -279,6 +279,9 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
             set_layer_tensors(module, targets)
 
 
+_MAX_UNIT_PROBLEMS = 8  # problems named per unit-wise module in one message
+
+
 def _unit_problems(module: nn.Module, info: LayerReloadingInfo, first_load: bool) -> list[str]:
     """What a unit-wise module lacks at finalize, named by checkpoint key: every unit on a first load,
     on a reload only the units that received some of their elements (Limitations 3)."""
@@ -295,6 +298,9 @@ def _unit_problems(module: nn.Module, info: LayerReloadingInfo, first_load: bool
         twice = coverage(writes, info.unit_numel[unit[0]])[1]
         if twice:
             problems.append(f"{_unit_name(info, unit)} ({twice} elements written more than once)")
+    if len(problems) > _MAX_UNIT_PROBLEMS:  # a whole missing MoE layer would list 3 x num_experts keys
+        hidden = len(problems) - _MAX_UNIT_PROBLEMS
+        problems = problems[:_MAX_UNIT_PROBLEMS] + [f"... and {hidden} more tensors of {info.prefix}"]
     return problems
 
 
