@@ -263,15 +263,18 @@ def test_decode_step_small_median_ms_and_ratio_to_bf16(tmp_path):
     assert fp8["over_bf16"] == fp8["ms"] / bf16["ms"]
 
 
-def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_path):
-    """The suite driver on a tiny checkpoint: every JSON written, the GPU-only part recorded as skipped,
-    the issue's ratios as explicit fields; then the README section from those results, as CPU results and
-    relabelled as a GPU's (the GPU part of the section, without a GPU)."""
+def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_path, monkeypatch):
+    """The suite driver on a tiny checkpoint, as if torchao were not installed: every JSON written, the
+    torchao parts and the GPU-only part recorded as skipped, the issue's ratios as explicit fields; then the
+    README section from those results, as CPU results and relabelled as a GPU's (the GPU part, without a GPU)."""
     from layerwise.benchmarks import suite
 
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     out = tmp_path / "out"
     args = ["--size", "small", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--budget", "300"]
-    subsets = ["--methods", "floor-read-copy,layerwise-fp8-per-tensor", "--schemes", "none,fp8-per-tensor"]
+    methods = "floor-read-copy,layerwise-fp8-per-tensor,layerwise-torchao:Float8WeightOnlyConfig,hf-TorchAoConfig"
+    subsets = ["--methods", methods, "--schemes", "none,fp8-per-tensor,torchao:Float8WeightOnlyConfig"]
     assert suite.main([*args, *subsets]) == 0
     names = ["decode_step", "peak_memory", "reload_latency", "suite"]
     assert sorted(p.name for p in out.glob("*.json")) == [f"{n}_cpu_small.json" for n in names]
@@ -282,6 +285,14 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     assert summary["total_seconds"] < summary["budget_seconds"] and summary["generation_seconds"] >= 0
     assert all(r["error"].startswith("skipped: GPU-only") for r in data["decode_step"]["results"])
     pm = {r["method"]: r for r in data["peak_memory"]["results"]}
+    no_torchao = "skipped: torchao is not installed"
+    assert summary["torchao"] == no_torchao
+    assert [r["error"] for r in data["reload_latency"]["results"] if r.get("scheme", "").startswith("torchao")] == [
+        no_torchao
+    ]
+    for method in ("layerwise-torchao:Float8WeightOnlyConfig", "hf-TorchAoConfig"):
+        pm_row = next(r for r in data["peak_memory"]["results"] if r["method"] == method)
+        assert pm_row == {"method": method, "error": no_torchao}
     rl = {(r.get("scheme"), r.get("source")): r for r in data["reload_latency"]["results"]}
     ours = pm["layerwise-fp8-per-tensor"]
     assert summary["load_over_floor"] == {"fp8-per-tensor": ours["seconds"] / pm["floor-read-copy"]["seconds"]}
