@@ -5,7 +5,8 @@ of ``--max-seq-len``), captured in a CUDA graph on CUDA (``Engine``'s own captur
 CPU. Per configuration: ``--warmup`` steps (the capture, Triton compiles), then ``--steps`` timed steps,
 each synchronized; ``ms`` is their median, ``over_bf16`` its ratio to the BF16 model's (scheme "none").
 Configurations (scheme, fp8_mode): none; fp8-per-tensor, fp8-per-channel and fp8-per-block each as
-w8a8 and w8a16; torchao:Float8WeightOnlyConfig and torchao:Float8DynamicActivationFloat8WeightConfig.
+w8a8 and w8a16, and fp8-per-block as auto; torchao:Float8WeightOnlyConfig and
+torchao:Float8DynamicActivationFloat8WeightConfig.
 A configuration the library refuses (e.g. w8a8 for a scheme without it) or that fails is recorded with
 its error; the others still run. All run in one fresh process that prints each row as it is measured.
 
@@ -45,6 +46,7 @@ CONFIGS = [
     "fp8-per-tensor/w8a8",
     "fp8-per-channel/w8a8",
     "fp8-per-block/w8a8",
+    "fp8-per-block",  # auto: whichever path the library picks for per-block on this device
     "fp8-per-tensor/w8a16",
     "fp8-per-channel/w8a16",
     "fp8-per-block/w8a16",

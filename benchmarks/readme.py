@@ -142,8 +142,8 @@ def _target(summary: dict, field: str, scheme: str) -> tuple[float | None, bool 
         return targets[field], met.get(f"reload stream {scheme}")
     if field == "peak_minus_final_over_largest_layer" and field in targets:
         return targets[field], met.get(f"peak {scheme}")
-    if field == "decode_over_bf16" and f"decode {scheme}" in met:
-        return targets[f"decode_{scheme.partition('/')[2]}_over_bf16"], met[f"decode {scheme}"]
+    if field == "decode_over_bf16" and scheme in summary.get("decode_targets", {}):
+        return summary["decode_targets"][scheme], met.get(f"decode {scheme}")
     return None, None
 
 
@@ -435,7 +435,7 @@ Run with {_provenance(summary)}.
 Targets: load / floor <= {t["load_over_floor"]} (GPU: the first load in a fresh process, `import layerwise`
 included; CPU: the second load); on CPU, first - second load <= {t["first_minus_second_load_seconds"]} s;
 peak - final <= one BF16 layer; reload from a stream <= {t["reload_stream_over_copy_floor"]}x the copy floor;
-decode W8A8 <= {t["decode_w8a8_over_bf16"]}x and W8A16 <= {t["decode_w8a16_over_bf16"]}x the BF16 step.
+decode W8A8 (and auto) <= {t["decode_w8a8_over_bf16"]}x and W8A16 <= {t["decode_w8a16_over_bf16"]}x the BF16 step.
 
 {targets_table(summary)}"""
 

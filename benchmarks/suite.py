@@ -70,6 +70,7 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
         "reload_dir_over_copy_floor": {},
         "reload_stream_over_copy_floor": {},
         "decode_over_bf16": {},
+        "decode_targets": {},  # config -> its target (FP8 schemes only)
         "met": {},
         "targets": {
             "load_over_floor": LOAD_OVER_FLOOR,
@@ -115,8 +116,9 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
                 continue
             out["decode_over_bf16"][config] = r["over_bf16"]
             scheme, mode = decode_step.parse_config(config)
-            if scheme in FP8_SCHEMES:
-                limit = DECODE_W8A8_OVER_BF16 if mode == "w8a8" else DECODE_W8A16_OVER_BF16
+            if scheme in FP8_SCHEMES:  # auto: the library's fast path for the GPU, held to the W8A8 target
+                limit = DECODE_W8A16_OVER_BF16 if mode == "w8a16" else DECODE_W8A8_OVER_BF16
+                out["decode_targets"][config] = limit
                 out["met"][f"decode {config}"] = r["over_bf16"] <= limit
     return out
 

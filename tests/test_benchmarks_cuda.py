@@ -51,4 +51,5 @@ def test_suite_on_cuda_small_records_every_part(tmp_path):
         assert "error" not in ds[config], ds[config]
         assert ds[config]["cuda_graph"] is True and math.isfinite(ds[config]["over_bf16"])
     assert set(summary["decode_over_bf16"]) == set(ds) - {"none"}
+    assert summary["decode_targets"] == {c: (1.0 if c.endswith("w8a16") else 0.7) for c in set(ds) - {"none"}}
     assert summary["total_seconds"] < 400
