@@ -108,17 +108,30 @@ def test_w8a8_on_cpu_close_to_transformers(moe_checkpoint):
 
 
 @pytest.mark.parametrize("scheme", ["none"] + SCHEMES)
-def test_gathered_forward_equals_the_expert_loop(moe_checkpoint, scheme):
-    """The CUDA-graph path (no host sync: every token's k experts gathered) computes what the loop computes."""
-    arch, path, _ = moe_checkpoint
-    model = layerwise.load_model(path, quantization=scheme, dtype=torch.float32)
-    experts = moe_block(model, 1).experts
-    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
-    weights = torch.softmax(torch.randn(10, 2), dim=-1)
+def test_gathered_forward_equals_the_expert_loop(scheme):
+    """The CUDA-graph path (no host sync: every token's k experts gathered) computes what the loop computes;
+    the layer is built on the CPU and processed whole (process_weights_after_loading)."""
+    from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, FusedMoE
+
+    method = moe_method_for(scheme)
+    experts = FusedMoE(
+        8, 64, 160, quant_method=method, params_dtype=torch.float32, expert_shards=QWEN_EXPERT_SHARDS, prefix="moe"
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.w13_weight.copy_(torch.randn(experts.w13_weight.shape, generator=gen) * 0.05)
+        experts.w2_weight.copy_(torch.randn(experts.w2_weight.shape, generator=gen) * 0.05)
+    w2 = experts.w2_weight.detach().clone()
+    method.process_weights_after_loading(experts)
+    x = torch.randn(10, 64, generator=gen)
+    weights = torch.softmax(torch.randn(10, 2, generator=gen), dim=-1)
     ids = torch.tensor([[0, 3], [3, 0], [7, 1], [2, 5], [5, 2], [1, 6], [6, 4], [4, 7], [0, 1], [3, 4]])
-    loop = experts.quant_method.apply(experts, x, weights, ids)
-    gathered = experts.quant_method.apply_gathered(experts, x, weights, ids)
+    loop = experts(x, weights, ids)
+    gathered = method.apply_gathered(experts, x, weights, ids)
     torch.testing.assert_close(gathered, loop, rtol=1e-5, atol=1e-6)
+    if scheme != "none":  # the whole-layer path quantizes each expert as torch's own cast does
+        q, _ = torch_fp8_reference(w2[5], scheme.rsplit("-", 1)[1])
+        assert torch.equal(as_bytes(experts.w2_weight[5]), as_bytes(q))
 
 
 def test_scheme_without_moe_method_is_a_clear_error(moe_checkpoint):

@@ -19,7 +19,7 @@ SCHEMES = [None, "fp8-per-tensor", "fp8-per-channel", "fp8-per-block"]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-memory")
-    kw = dict(num_layers=3, hidden=H, intermediate=48, moe_intermediate_size=INTER, max_shard_size="256KB")
+    kw = dict(num_layers=2, hidden=H, intermediate=48, moe_intermediate_size=INTER, max_shard_size="256KB")
     return (
         write_hf_checkpoint(root / "a", "Qwen3MoeForCausalLM", seed=0, **kw),
         write_hf_checkpoint(root / "b", "Qwen3MoeForCausalLM", seed=1, **kw),
@@ -56,7 +56,7 @@ def test_expert_reload_transient_is_one_unit_plus_a_tile(pair, quantization, no_
     stream = [(k, t) for k, t in Checkpoint(b) if ".mlp.experts." in k]
     with DeviceMemoryTracker("cpu") as tracker:  # counts only what the reload allocates
         report = layerwise.reload_weights(model, stream)
-    assert report.updated_modules == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    assert report.updated_modules == ["model.layers.1.mlp.experts"]
     assert tracker.final_bytes == 0
     assert W13_UNIT <= tracker.peak_bytes <= EXPERT_BF16
     # at the measured level: the BF16 unit, one tile's float32 work buffer + FP8 output (5 bytes per element

@@ -167,9 +167,9 @@ def test_a_whole_missing_moe_layer_is_named_briefly(pair):
 
 def test_kernel_format_reload_of_experts(pair):
     _, a, b = pair
-    model = layerwise.load_model(a, quantization="fp8-per-channel")
+    model = layerwise.load_model(a, quantization="fp8")
     snap = _snapshot(model)
-    fresh_b = layerwise.load_model(b, quantization="fp8-per-channel")
+    fresh_b = layerwise.load_model(b, quantization="fp8")
     stream = [(k, t) for k, t in fresh_b.state_dict().items() if ".experts." in k]
     names = {k.rsplit(".", 1)[1] for k, _ in stream}
     assert names == {"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"}
