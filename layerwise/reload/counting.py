@@ -29,6 +29,13 @@ class WriteRecorder(TorchDispatchMode):
         super().__init__()
         self.writes: list = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no; its
+        # first call then imports torch._dynamo (3-6 s in a fresh process, the cold-load cost the H100
+        # showed even for BF16). Nothing here is ever compiled.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _WRITE_OPS:
             dst = args[0]
