@@ -136,8 +136,9 @@ def gemm_variants() -> Iterator[KernelVariant]:
     W8A16 decodes e4m3 with integer ops on sm_80 and in hardware on sm_89+; the block-scaled W8A8 GEMM
     (FP8 tensor cores) runs on sm_89+. To keep CPU CI under a minute, the full matrix is built for
     bf16 (the checkpoints' dtype) and the decode tile (the first row of each table: int64 sizes and a
-    bias too, sm_89 and sm_90); fp16 and the larger tiles only where the code differs: fp16 for the
-    decode tile, the larger tiles with int32 sizes, no bias, one FP8 target (sm_90).
+    bias too); fp16 and the larger tiles only where the code differs: fp16 for the decode tile, the larger
+    tiles with int32 sizes, no bias, per-channel and per-block epilogues. FP8 variants build for sm_89 and
+    sm_90 in the decode tile with int32 sizes, for sm_90 only otherwise.
     """
     cuda = torch.device("cuda")
     for dtype in ACT_DTYPES:
@@ -146,12 +147,17 @@ def gemm_variants() -> Iterator[KernelVariant]:
             if t and not is_bf16:
                 continue
             for granularity, mode in GEMM_SCALE_MODES.items():
+                if t and granularity == "tensor":  # larger tiles: the per-tensor epilogue is the decode tile's
+                    continue
                 if granularity == "block":
                     block_n, block_k = min(block_n, BLOCK_SIZE[0]), BLOCK_SIZE[1]
                 for index_type, has_bias in _gemm_sizes(t == 0 and is_bf16):
                     types = dict(x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr)
                     types.update(m=index_type, n=index_type, k=index_type, scale_cols=index_type)
-                    for native, targets in ((False, (80,)), (True, (89, 90) if t == 0 else (90,))):
+                    for native, targets in (
+                        (False, (80,)),
+                        (True, (89, 90) if t == 0 and index_type == "i32" else (90,)),
+                    ):
                         const = dict(
                             IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=mode, FP8_NATIVE=native,
                             DOT_DTYPE=dot_dtype(dtype, cuda), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -181,7 +187,7 @@ def gemm_variants() -> Iterator[KernelVariant]:
                     _w8a8_block_gemm_kernel,
                     _signature(_w8a8_block_gemm_kernel, types, const),
                     const,
-                    (89, 90) if t == 0 else (90,),
+                    (89, 90) if t == 0 and index_type == "i32" else (90,),
                 )
 
 

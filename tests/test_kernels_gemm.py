@@ -113,6 +113,17 @@ def qwen2_checkpoint(tmp_path_factory):
     return write_hf_checkpoint(tmp_path_factory.mktemp("qwen2-gemm"), "Qwen2ForCausalLM")
 
 
+IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def qwen2_reference_logits(qwen2_checkpoint):
+    """transformers' float32 logits of IDS (computed once for the module)."""
+    from tests.hf_checkpoints import hf_logits
+
+    return hf_logits(qwen2_checkpoint, IDS)
+
+
 @pytest.mark.parametrize(
     ("scheme", "fp8_mode"),
     [
@@ -123,15 +134,17 @@ def qwen2_checkpoint(tmp_path_factory):
         ("fp8-per-block", "w8a8"),
     ],
 )
-def test_model_forward_through_the_triton_gemms(qwen2_checkpoint, monkeypatch, scheme, fp8_mode):
+def test_model_forward_through_the_triton_gemms(
+    qwen2_checkpoint, qwen2_reference_logits, monkeypatch, scheme, fp8_mode
+):
     # The CUDA forward path (quant.fp8 with fused_forward true) run here under the interpreter: W8A16
     # GEMMs, and for per-block "auto" on an FP8 GPU the group-quantized block-scaled W8A8 GEMM.
     import layerwise
     import layerwise.kernels.fp8_gemm as fp8_gemm
     import layerwise.quant.fp8 as quant_fp8
-    from tests.hf_checkpoints import hf_logits, sqnr_db
+    from tests.hf_checkpoints import sqnr_db
 
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = IDS
     model = layerwise.load_model(qwen2_checkpoint, quantization=scheme, fp8_mode=fp8_mode)
     torch_model = model
     if fp8_mode == "w8a8":  # per-block W8A8 exists only as the Triton GEMM on an FP8 GPU: refused on CPU
@@ -155,6 +168,6 @@ def test_model_forward_through_the_triton_gemms(qwen2_checkpoint, monkeypatch, s
         triton_path = model(ids).float()
     expected = "w8a16_gemm" if fp8_mode == "w8a16" else "w8a8_block_gemm"
     assert calls and set(calls) == {expected}
-    assert sqnr_db(hf_logits(qwen2_checkpoint, ids), triton_path) >= 18
+    assert sqnr_db(qwen2_reference_logits, triton_path) >= 18
     # same weights, same W8A16 arithmetic up to rounding: far closer to the torch path than to transformers
     assert sqnr_db(torch_path, triton_path) >= (35 if fp8_mode == "w8a16" else 20)
