@@ -287,6 +287,8 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     pm = {r["method"]: r for r in data["peak_memory"]["results"]}
     no_torchao = "skipped: torchao is not installed"
     assert summary["torchao"] == no_torchao
+    warmed = summary["compile_caches_warmed"]  # one throwaway load per layerwise scheme that can run here
+    assert [r["scheme"] for r in warmed["rows"]] == ["fp8-per-tensor"] and warmed["error"] is None
     assert [r["error"] for r in data["reload_latency"]["results"] if r.get("scheme", "").startswith("torchao")] == [
         no_torchao
     ]
