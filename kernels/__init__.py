@@ -4,6 +4,11 @@
 tensors take a fused compiled version of it), ``"triton"`` (compiled on CUDA, interpreted on
 CPU), or ``None`` for the device default (triton on CUDA, torch elsewhere).
 ``granularity`` is "tensor", "channel" (one scale per output row) or "block" (128 x 128).
+
+The forward's kernels live beside these (imported on demand, CUDA only in the library's use):
+``fp8_act`` (fused dynamic activation quantization: per token, per token group of 128, per tensor) and
+``fp8_gemm`` (W8A16 GEMM over FP8 weight bytes; block-scaled W8A8 GEMM). ``ops`` wraps the weight
+kernels as torch.library custom ops for torch.compile; eager calls skip the op (no torch._dynamo import).
 This package imports only torch and triton.
 """
 
