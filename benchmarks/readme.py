@@ -424,12 +424,18 @@ def _provenance(data: dict) -> str:
     return ", ".join(parts + [f"commit {data.get('commit', 'unknown')}", data.get("date", "undated")])
 
 
+def _took(summary: dict) -> str:
+    if summary.get("total_seconds") is None:  # --summarize: the parts ran in separate jobs
+        return "the parts ran in separate jobs (" + ", ".join(summary.get("summarized_from", {})) + ")"
+    generation = f", checkpoint generation {summary['generation_seconds']:.0f} s of it"
+    return f"{summary['total_seconds']:.0f} s{generation}"
+
+
 def _targets(summary: dict, where: str) -> str:
     t = summary["targets"]
     return f"""#### Issue 14 targets ({where})
 
-`python -m layerwise.benchmarks.suite --device {summary["device"]} --size {summary["size"]}`: \
-{summary["total_seconds"]:.0f} s, checkpoint generation {summary["generation_seconds"]:.0f} s of it.
+`python -m layerwise.benchmarks.suite --device {summary["device"]} --size {summary["size"]}`: {_took(summary)}.
 Checkpoint: {_shape(summary)}.
 Run with {_provenance(summary)}.
 Targets: load / floor <= {t["load_over_floor"]} (GPU: the first load in a fresh process, `import layerwise`

@@ -95,6 +95,7 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
                 out["first_load_with_import_over_floor"][scheme] = r["first_with_import_over_floor"]
             if "first_minus_second_seconds" in r:
                 out["first_minus_second_load_seconds"][scheme] = r["first_minus_second_seconds"]
+            if "first_minus_best_seconds" in r:
                 out["first_minus_best_load_seconds"][scheme] = r["first_minus_best_seconds"]
             out["peak_minus_final_over_largest_layer"][scheme] = r["overhead_over_largest_layer"]
             out["met"][f"peak {scheme}"] = r["overhead_over_largest_layer"] <= PEAK_OVER_LAYER
@@ -250,6 +251,38 @@ def run(
     }
 
 
+def summarize(out_dir: Path, device: str, size: str) -> dict:
+    """The summary of part results already in ``out_dir`` ({part}_{device}_{size}.json, e.g. from two runs of
+    the suite with different ``--parts``), without running anything; where and when come from the parts
+    (the newest one's device name, versions, commit and date).
+
+    Raises:
+        FileNotFoundError: none of the three part results is there.
+    """
+    import json
+
+    stem = f"{device.replace(':', '')}_{size}"
+    results = {
+        part: json.loads((out_dir / f"{part}_{stem}.json").read_text())
+        for part in ("peak_memory", "reload_latency", "decode_step")
+        if (out_dir / f"{part}_{stem}.json").exists()
+    }
+    if not results:
+        raise FileNotFoundError(f"no peak_memory/reload_latency/decode_step_{stem}.json in {out_dir}")
+    newest = max(results.values(), key=lambda r: r.get("date") or "")
+    keys = ("device_name", "versions", "commit", "date", "size", "shape", "checkpoint", "machine")
+    return {
+        "benchmark": "suite",
+        **{k: newest.get(k) for k in keys},
+        "device": device,
+        "summarized_from": {part: r.get("date") for part, r in results.items()},
+        "generation_seconds": None,
+        "total_seconds": None,
+        "files": {part: str(out_dir / f"{part}_{stem}.json") for part in results},
+        **targets(device, results.get("peak_memory"), results.get("reload_latency"), results.get("decode_step")),
+    }
+
+
 def main(argv=None) -> int:
     """Parse ``argv``, run the suite, write DIR/suite_<device>_<size>.json, print the ratios."""
     parser = argparse.ArgumentParser(
@@ -285,8 +318,22 @@ def main(argv=None) -> int:
         help="do not warm the on-disk compile caches first (by default a throwaway process loads the small "
         "checkpoint once per scheme, so the timed first loads find Triton's and Inductor's caches warm)",
     )
+    parser.add_argument(
+        "--summarize",
+        action="store_true",
+        help="run nothing: write the summary from the part results already in --out-dir (e.g. after running "
+        "the parts in separate jobs)",
+    )
     add_output_arguments(parser, default_name="suite_<device>_<size>")
     args = parser.parse_args(argv)
+    name = args.name or f"suite_{args.device.replace(':', '')}_{args.size}"
+    if args.summarize:
+        from layerwise.benchmarks.readme import targets_table
+
+        summary = summarize(args.out_dir, args.device, args.size)
+        print(targets_table(summary))
+        print(f"written to {write_json(summary, args.out_dir, name)}")
+        return 0
     subsets = {}
     for option, choices in (
         ("methods", peak_memory.METHODS),
@@ -305,7 +352,7 @@ def main(argv=None) -> int:
         parser.error("transformers is needed (it writes the checkpoint's config.json): pip install transformers")
     cache = args.cache_dir or default_cache_dir()
     summary = run(args.size, args.device, args.out_dir, cache, args.budget, parts, **subsets, warm=not args.cold_caches)
-    path = write_json(summary, args.out_dir, args.name or f"suite_{args.device.replace(':', '')}_{args.size}")
+    path = write_json(summary, args.out_dir, name)
     from layerwise.benchmarks.readme import targets_table
 
     print(targets_table(summary))

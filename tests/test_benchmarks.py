@@ -312,6 +312,11 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     assert summary["met"]["peak fp8-per-tensor"] == (ours["overhead_over_largest_layer"] <= 1.0)
     assert summary["met"]["load fp8-per-tensor"] == (summary["load_over_floor"]["fp8-per-tensor"] <= 1.5)
     assert summary["decode_over_bf16"] == {}
+    again = suite.summarize(out, "cpu", "small")  # the same ratios from the part files alone (separate jobs)
+    for field in ("load_over_floor", "first_minus_second_load_seconds", "reload_stream_over_copy_floor", "met"):
+        assert again[field] == summary[field], field
+    assert again["date"] == max(data[n]["date"] for n in names[:3]) and again["total_seconds"] is None
+    assert "the parts ran in separate jobs" in readme._targets(again, "CPU")
 
     # the README section: the newest CPU results win over the committed ones, and a GPU gets its own part
     results = tmp_path / "results"
