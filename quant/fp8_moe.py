@@ -18,8 +18,9 @@ kernels (``layerwise.kernels`` fp8_amax / scale_from_amax / fp8_quantize, with t
 so its bytes equal torch's own cast ``(w.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``. A
 per-block w13 is blocked as one [2I, H] matrix, so when I is not a multiple of 128 a block spans gate
 and up rows. The amax and the quantization run in tiles of about 1/8 of the expert (:func:`expert_tiles`, whole
-128-blocks for per-block scales), written straight into the expert's slice: the float32 work buffer and
-the FP8 temporary of a tile stay well below the expert's own checkpoint-dtype size.
+128-blocks for per-block scales), the torch reference writing straight into the expert's FP8 slice: the
+float32 work buffer of a tile (a quarter of the expert's checkpoint-dtype bytes, for BF16) is the only
+temporary besides the scales.
 
 Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
 the expert's slice: W8A8 (``torch._scaled_mm``, activations quantized per tensor or per token) where
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, fp8_amax, fp8_quantize, scale_from_amax
+from layerwise.kernels.reference import quantize
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
 
@@ -130,7 +132,11 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                 tile_scale = scale[r0:r1]
             else:
                 tile_scale = scale[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)]
-            q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
+            tile = q[r0:r1, c0:c1]
+            if self.kernel == "torch" and tile.is_contiguous():  # the reference writes into the slice itself
+                quantize(weight[r0:r1, c0:c1], tile_scale, out=tile)
+            else:
+                tile.copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
         kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
 
     def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:
