@@ -74,6 +74,12 @@ class _LiveStorageMode(TorchDispatchMode):
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self._last_rss = 0.0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this returns False; that
+        # wrapper's first call imports torch._dynamo (seconds in a fresh process). Nothing here is compiled.
+        return False
+
     def _sweep(self) -> None:
         dead = [ptr for ptr, (ref, _) in self.live.items() if ref.expired()]
         for ptr in dead:
