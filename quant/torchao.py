@@ -28,9 +28,10 @@ subclass reassembled. That is exact only where every output row depends on its i
    go through ``quantize_``; the rest is computed here, without the per-chunk cost of ``quantize_``
    (an nn.Linear, config checks, the subclass built and flattened). The torchao results are compared
    byte for byte with the local ones, and any difference sends the weight back to ``quantize_`` per
-   chunk. This assumes that torchao's decision to quantize or skip a chunk depends on its shape, dtype
-   and device, not its values (true of torchao 0.18), so the middle chunks, shaped like the first, are
-   quantized where it is.
+   chunk. The check is made once per process for each config, chunk shape, dtype and device: later
+   weights of the same shape are computed here whole (``_VERIFIED``). This assumes that torchao's
+   decision to quantize or skip a chunk depends on its shape, dtype and device, not its values (true
+   of torchao 0.18), so the middle chunks, shaped like the first, are quantized where it is.
 """
 
 from __future__ import annotations
@@ -111,13 +112,14 @@ def _float8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> N
     torch kernel (``_choose_scale_float8`` then ``_quantize_affine_float8``, torchao 0.18): the row amax and
     ``amax / max`` are computed in ``w.dtype`` (a BF16 weight gets a BF16-rounded scale), then
     ``clamp(w.float() / scale, -max, max)`` is cast. An all-zero row gets scale 0 and NaN bytes, as in
-    torchao. ``work``: float32, at least ``w.numel()`` elements (no other temporary is that large but
-    ``w.abs()``)."""
+    torchao. ``work``: float32, at least ``w.numel()`` elements (no other temporary is that large)."""
     qdata, scale = out["qdata"], out["scale"]
     fmax = torch.finfo(qdata.dtype).max
-    scale.copy_(w.abs().amax(dim=1, keepdim=True) / fmax)  # (torch.aminmax over rows is ~20x slower on CPU)
-    x = torch.div(w, scale, out=work[: w.numel()].view(w.shape))  # promoted to float32, as w.float() / scale
-    qdata.copy_(x.clamp_(-fmax, fmax))
+    x = work[: w.numel()].view(w.shape).copy_(w)  # exact; float32 reductions are ~4x faster than bf16 ones
+    hi, lo = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)  # (torch.aminmax over rows is ~10x slower)
+    amax = torch.maximum(hi, lo.neg_()).abs_().to(w.dtype)  # == w.abs().amax(1) (NaN propagates), +0.0 if all 0
+    scale.copy_(amax / fmax)
+    qdata.copy_(x.div_(scale).clamp_(-fmax, fmax))  # float32 / float32 scale, as torchao's w.float() / scale
 
 
 def _int8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> None:
@@ -131,15 +133,20 @@ def _int8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> Non
     :func:`_float8_rows`."""
     qdata, scale, zero_point = out["qdata"], out["scale"], out["zero_point"]
     qmin, qmax = (-64, 63) if ctx.get("reduce_range") else (-128, 127)
-    min_val = torch.amin(w, dim=1, keepdim=True)
-    max_val = torch.amax(w, dim=1, keepdim=True)
+    x = work[: w.numel()].view(w.shape).copy_(w)  # exact; float32 reductions are ~4x faster than bf16 ones
+    min_val = x.amin(dim=1, keepdim=True).to(w.dtype)
+    max_val = x.amax(dim=1, keepdim=True).to(w.dtype)
     min_neg = torch.min(min_val, torch.zeros_like(min_val))
     max_pos = torch.max(-min_neg, torch.max(max_val, torch.zeros_like(max_val)))
     scale.copy_(torch.clamp(max_pos / (float(qmax - qmin) / 2), min=torch.finfo(torch.float32).eps))
     zero_point.zero_()
-    x = torch.mul(w, 1.0 / scale, out=work[: w.numel()].view(w.shape))  # float32, as torchao's w * (1 / scale)
-    qdata.copy_(x.round_().clamp_(qmin, qmax))
+    qdata.copy_(x.mul_(1.0 / scale).round_().clamp_(qmin, qmax))  # as torchao's w * (1 / scale), in float32
 
+
+#: (repr(config), chunk rows, rows of a shorter last chunk, K, dtype, device) -> (layout, [(inner name, (shape
+#: past the rows, dtype))]) of chunks whose local arithmetic matched torchao's bytes (Limitations 3). Holds
+#: no tensor and no model; cleared when it reaches 256 entries.
+_VERIFIED: dict = {}
 
 #: torchao tensor type -> (inner tensor names, this module's arithmetic for its chunks) (Limitations 3)
 _LOCAL_ROWS = {
@@ -220,6 +227,15 @@ class TorchaoLinearMethod(QuantMethod):
         rows = self._chunk_rows(n, k)
         if n <= rows:
             return self._quantize(weight)
+        key = (repr(self.config), rows, n % rows, k, weight.dtype, weight.device)
+        verified = _VERIFIED.get(key)
+        if verified is not None:  # Limitations 3: this shape was quantized locally and checked before
+            (cls, names, ctx), tails = verified
+            inner = {
+                name: torch.empty((n, *shape), dtype=dtype, device=weight.device) for name, (shape, dtype) in tails
+            }
+            self._local_chunks(weight, rows, {}, verified[0], inner)
+            return self._unflatten(cls, inner, ctx, weight)
         first = quantize_whole(weight[:rows], self.config)
         layout = _row_layout(first, rows)
         if layout is None:  # plain, per-tensor, or a type not known to be row-local: quantize_ it whole
@@ -227,18 +243,19 @@ class TorchaoLinearMethod(QuantMethod):
             return self._quantize(weight)
         cls, names, ctx = layout
         inner = {name: getattr(first, name).new_empty((n, *getattr(first, name).shape[1:])) for name in names}
-        local_rows = _local_rows(layout, k, weight.device)
-        if local_rows is not None:
-            references = [(0, first)]
+        if _local_rows(layout, k, weight.device) is not None:
+            references = {0: first}
             if n % rows:  # torchao's own result for the shorter last chunk: skipped, or its bytes
                 last = quantize_whole(weight[n - n % rows :], self._chunk_config)
                 if _row_layout(last, n % rows) != layout:  # Limitations 2
                     del first, last, references, inner
                     return self._quantize(weight)
-                references.append((n - n % rows, last))
-            if self._local_chunks(local_rows, weight, rows, references, layout, inner):
-                _check_finite(inner["scale"])  # NaN and Inf in a row reach its amax and min
-                return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
+                references[n - n % rows] = last
+            if self._local_chunks(weight, rows, references, layout, inner):
+                if len(_VERIFIED) >= 256:
+                    _VERIFIED.clear()
+                _VERIFIED[key] = (layout, [(name, (t.shape[1:], t.dtype)) for name, t in inner.items()])
+                return self._unflatten(cls, inner, ctx, weight)
             del references
         _check_finite(weight)
         for name in names:
@@ -255,23 +272,30 @@ class TorchaoLinearMethod(QuantMethod):
             del part
         return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
 
-    def _local_chunks(self, local_rows, weight: torch.Tensor, rows: int, references: list, layout, inner: dict):
-        """Fill ``inner`` with ``local_rows``, ``rows`` at a time (Limitations 3); False (``inner`` then partly
-        written) where the local bytes differ from a torchao result in ``references`` ((first row, torchao
-        tensor) pairs: the first chunk, a shorter last one)."""
+    @staticmethod
+    def _unflatten(cls, inner: dict, ctx: dict, weight: torch.Tensor) -> torch.Tensor:
+        """The torchao tensor from locally computed ``inner`` tensors, after their finiteness check (NaN and Inf
+        in a row reach its scale); ``ctx`` is copied, so no two weights share its block_size list."""
+        _check_finite(inner["scale"])
+        ctx = {name: list(v) if isinstance(v, list) else v for name, v in ctx.items()}
+        return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
+
+    def _local_chunks(self, weight: torch.Tensor, rows: int, references: dict, layout, inner: dict) -> bool:
+        """Fill ``inner`` with the local arithmetic of ``layout`` (:func:`_local_rows`), ``rows`` at a time
+        (Limitations 3); False (``inner`` then partly written) where the local bytes differ from a torchao
+        result in ``references`` ({first row: torchao tensor} of the first chunk and a shorter last one)."""
         n, k = weight.shape
         _, names, ctx = layout
+        local_rows = _local_rows(layout, k, weight.device)
         work = torch.empty(rows * k, dtype=torch.float32, device=weight.device)
-        for r0, reference in references:
-            r1 = r0 + reference.shape[0]
+        for r0 in sorted(references) + [r for r in range(0, n, rows) if r not in references]:
+            r1 = min(r0 + rows, n)
             local_rows(weight[r0:r1], {name: inner[name][r0:r1] for name in names}, ctx, work)
-            for name in names:
-                want = getattr(reference, name)
-                if not torch.equal(inner[name][r0:r1].view(torch.uint8), want.view(torch.uint8)):
+            reference = references.get(r0)
+            for name in names if reference is not None else ():
+                if not torch.equal(inner[name][r0:r1].view(torch.uint8), getattr(reference, name).view(torch.uint8)):
                     logger.warning("%s: the local %s differs from torchao's; quantize_ per chunk", self.name, name)
                     return False
-        for r0 in range(rows, n - n % rows, rows):
-            local_rows(weight[r0 : r0 + rows], {name: inner[name][r0 : r0 + rows] for name in names}, ctx, work)
         return True
 
     def _quantize(self, weight: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import layerwise.quant.torchao as quant_torchao
+from layerwise.errors import NonFiniteWeightError
 from layerwise.quant.torchao import ROW_ALIGN, TorchaoLinearMethod
 
 tq = pytest.importorskip("torchao.quantization")
@@ -43,6 +44,12 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
         assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), name
     # bytes: torchao turns an all-zero row into NaN (0 / a zero scale) in float8, the same in both
     assert torch.equal(got.dequantize().view(torch.uint8), want.dequantize().view(torch.uint8))
+
+
+@pytest.fixture(autouse=True)
+def nothing_verified(monkeypatch):
+    """Each test starts with no chunk shape verified (Limitations 3), so the first chunk goes through torchao."""
+    monkeypatch.setattr(quant_torchao, "_VERIFIED", {})
 
 
 @pytest.fixture
@@ -87,6 +94,23 @@ def test_rows_after_the_first_chunk_are_quantized_without_quantize_(name, n, cal
     got = TorchaoLinearMethod(name, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
     assert_same_bytes(got, reference(w, getattr(tq, name)()))
     assert calls == [32] + ([n % 32] if n % 32 else []), calls
+
+
+@pytest.mark.parametrize("name", ["Float8WeightOnlyConfig", "Int8WeightOnlyConfig"])
+def test_a_second_weight_of_a_verified_shape_needs_no_quantize_(name, calls):
+    method = TorchaoLinearMethod(name, chunk_numel=CHUNK_NUMEL)
+    method.quantize_rows(weight(8 * 32 + 24))
+    calls.clear()
+    w = weight(8 * 32 + 24, seed=1)
+    got = TorchaoLinearMethod(name, chunk_numel=CHUNK_NUMEL).quantize_rows(w)  # a new method, as for each layer
+    assert_same_bytes(got, reference(w, getattr(tq, name)()))
+    assert calls == []
+    assert got.block_size is not method.quantize_rows(w).block_size  # no list shared between weights
+    w[100, 1] = float("nan")
+    with pytest.raises(NonFiniteWeightError):
+        method.quantize_rows(w)
+    other = TorchaoLinearMethod(name, chunk_numel=CHUNK_NUMEL).quantize_rows(weight(8 * 32))  # another shape
+    assert calls == [32] and other.shape == (8 * 32, K)
 
 
 @pytest.mark.parametrize("name", ["Float8WeightOnlyConfig", "Int8WeightOnlyConfig"])
@@ -216,8 +240,6 @@ def test_row_chunks_on_cuda_llama_8b_down_proj(name):
 @pytest.mark.parametrize("name", ["Float8WeightOnlyConfig", "Int8WeightOnlyConfig", "IntxWeightOnlyConfig"])
 @pytest.mark.parametrize("n", [8 * 32, ROW_ALIGN])  # chunked (local or quantize_ per chunk); whole
 def test_a_non_finite_weight_is_a_clear_error(name, n, bad):
-    from layerwise.errors import NonFiniteWeightError
-
     w = weight(n)
     w[n - 5, 7] = bad  # in a later chunk, computed locally for Float8 and Int8
     with pytest.raises(NonFiniteWeightError, match="'weight'"):
@@ -225,8 +247,6 @@ def test_a_non_finite_weight_is_a_clear_error(name, n, bad):
 
 
 def test_a_non_finite_bias_is_a_clear_error():
-    from layerwise.errors import NonFiniteWeightError
-
     layer = nn.Linear(K, 8 * 32).bfloat16()
     with torch.no_grad():
         layer.weight.copy_(weight(8 * 32))
