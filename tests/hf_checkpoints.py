@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")  # mixture-of-experts: 8 experts, top-2
+
 
 def hf_config(
     arch: str,
@@ -112,9 +114,6 @@ def hf_config(
             }
         )
     raise ValueError(arch)
-
-
-MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 def write_hf_checkpoint(
