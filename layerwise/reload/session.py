@@ -105,6 +105,7 @@ def record_metadata_for_reloading(model: nn.Module) -> None:
             weight_loaders={n: p.weight_loader for n, p in params.items()},
             load_numel_total=sum(p.numel() for p in params.values()),
             unit_numel={n: p.shape[1:].numel() for n, p in params.items()} if _unitwise(module) else {},
+            units_total=len(module.processing_units()) if _unitwise(module) else 0,
         )
         info.reset()
         module.__dict__[_INFO_ATTR] = info
@@ -272,7 +273,7 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
     state.loaded_weights = []
     state.done = True
     info.units_done += 1
-    if info.units_done == len(module.processing_units()):
+    if info.units_done == info.units_total:
         info.done = True
         session.processed.append(info.prefix)
         if not (session.atomic and info.kernel_tensors):  # an atomic reload commits the staged copy at finalize

@@ -65,7 +65,7 @@ class LayerReloadingInfo:
         units: unit -> its UnitState in this session (unit-wise modules; written by online_process_loader).
         unit_targets: the kernel-format tensors the units are processed into, set at the first unit:
             fresh on a first load, the kernel tensors themselves on a reload, a staged copy when atomic.
-        units_done: units processed in this session.
+        units_done: units processed in this session; the module is done at ``units_total``.
     """
 
     prefix: str
@@ -82,6 +82,7 @@ class LayerReloadingInfo:
     units: dict[Hashable, UnitState] = field(default_factory=dict)
     unit_targets: dict[str, torch.Tensor] = field(default_factory=dict)
     units_done: int = 0
+    units_total: int = 0
     session: ReloadSession | None = None
 
     def reset(self) -> None:
