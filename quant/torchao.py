@@ -16,7 +16,7 @@ subclass reassembled. That is exact only where every output row depends on its i
    indexed by weight row), and only when their ``block_size`` is ``[1, G]`` (per row, or groups
    within a row). Per-tensor scales (``PerTensor()`` granularity, the default of
    ``Float8DynamicActivationFloat8WeightConfig``) depend on every row: such weights are quantized
-   whole, float32 temporaries included.
+   whole by ``quantize_``, float32 temporaries included, except as in 4.
 2. torchao may leave a weight unquantized (a plain tensor): ``Float8DynamicActivationFloat8WeightConfig``
    skips weights whose dimensions are not multiples of 16, ``Int4WeightOnlyConfig`` skips on CPU. Row
    chunks are multiples of 16 rows so a chunk is skipped only where the whole weight is; whenever a
@@ -32,6 +32,10 @@ subclass reassembled. That is exact only where every output row depends on its i
    weights of the same shape are computed here whole (``_VERIFIED``). This assumes that torchao's
    decision to quantize or skip a chunk depends on its shape, dtype and device, not its values (true
    of torchao 0.18), so the middle chunks, shaped like the first, are quantized where it is.
+4. A per-tensor ``Float8Tensor`` (torch kernel) is computed here in two passes: max|w| over the whole
+   weight (``torch.aminmax``, no temporary), then the quantization in row chunks. The arithmetic is first
+   checked byte for byte against torchao's result for the first chunk alone (its own per-tensor scale);
+   a difference sends the weight to ``quantize_`` whole.
 """
 
 from __future__ import annotations
@@ -175,6 +179,35 @@ def _local_rows(layout, k: int, device: torch.device):
     return names_and_fn[1]
 
 
+def _per_tensor_float8_layout(t: torch.Tensor, device: torch.device):
+    """(type, inner names, flatten context without block_size) of a Float8Tensor with one scale for the whole
+    chunk ``t``, quantized with torchao's torch kernel (see :func:`_local_rows`), else None (Limitations 4)."""
+    if type(t).__name__ != "Float8Tensor" or not hasattr(t, "__tensor_flatten__"):
+        return None
+    names, ctx = t.__tensor_flatten__()
+    if sorted(names) != ["qdata", "scale"] or list(ctx["block_size"]) != list(t.shape) or t.scale.numel() != 1:
+        return None
+    if _local_rows((type(t), ["qdata", "scale"], dict(ctx, block_size=[1, t.shape[1]])), t.shape[1], device) is None:
+        return None
+    return type(t), sorted(names), {name: v for name, v in ctx.items() if name != "block_size"}
+
+
+def _float8_per_tensor(w: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, work: torch.Tensor) -> None:
+    """Per-tensor float8 quantization of ``w`` [N, K] into ``qdata`` [N, K] and ``scale`` [1, 1] (float32),
+    byte-identical to torchao's ``Float8Tensor.from_hp(w, granularity=PerTensor())`` with its torch kernel:
+    amax = max|w| and ``amax / max`` in ``w.dtype``, then ``clamp(w.float() / scale, -max, max)`` cast, in
+    row chunks of ``work.numel() // K`` rows (``work``: float32)."""
+    fmax = torch.finfo(qdata.dtype).max
+    lo, hi = torch.aminmax(w)  # one pass over w, no temporary; NaN propagates
+    amax = torch.maximum(hi, lo.neg()).abs_()  # == w.abs().amax(), in w.dtype
+    scale.copy_((amax / fmax).reshape(1, 1))
+    n, k = w.shape
+    rows = max(1, work.numel() // k)
+    for r0 in range(0, n, rows):
+        x = work[: min(rows, n - r0) * k].view(-1, k).copy_(w[r0 : r0 + rows])
+        qdata[r0 : r0 + rows].copy_(x.div_(scale).clamp_(-fmax, fmax))
+
+
 def _check_finite(t: torch.Tensor) -> None:
     """Raise NonFiniteWeightError (naming the parameter 'weight') where ``t`` holds NaN or Inf."""
     if has_non_finite(t):
@@ -238,7 +271,12 @@ class TorchaoLinearMethod(QuantMethod):
             return self._unflatten(cls, inner, ctx, weight)
         first = quantize_whole(weight[:rows], self.config)
         layout = _row_layout(first, rows)
-        if layout is None:  # plain, per-tensor, or a type not known to be row-local: quantize_ it whole
+        if layout is None:  # plain, per-tensor, or a type not known to be row-local
+            per_tensor = _per_tensor_float8_layout(first, weight.device)
+            if per_tensor is not None:
+                quantized = self._float8_per_tensor(weight, rows, first, per_tensor)
+                if quantized is not None:
+                    return quantized
             del first
             return self._quantize(weight)
         cls, names, ctx = layout
@@ -271,6 +309,30 @@ class TorchaoLinearMethod(QuantMethod):
                 inner[name][r0:r1].copy_(getattr(part, name))
             del part
         return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
+
+    def _float8_per_tensor(self, weight: torch.Tensor, rows: int, first: torch.Tensor, layout):
+        """The per-tensor Float8Tensor of ``weight`` computed locally in two passes (Limitations 4), or None where
+        torchao would treat a shorter last chunk differently (Limitations 2) or the local bytes of ``first``'s
+        rows differ from torchao's ``first``."""
+        n, k = weight.shape
+        if (
+            n % rows
+            and _per_tensor_float8_layout(quantize_whole(weight[n - n % rows :], self._chunk_config), weight.device)
+            != layout
+        ):
+            return None
+        cls, _, ctx = layout
+        work = torch.empty(rows * k, dtype=torch.float32, device=weight.device)
+        qdata, scale = torch.empty_like(first.qdata), torch.empty_like(first.scale)
+        _float8_per_tensor(weight[:rows], qdata, scale, work)  # the arithmetic, checked on the first chunk alone
+        for mine, theirs in ((qdata, first.qdata), (scale, first.scale)):
+            if not torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)):
+                logger.warning("%s: the local per-tensor float8 differs from torchao's; quantize_ whole", self.name)
+                return None
+        inner = {"qdata": first.qdata.new_empty((n, k)), "scale": torch.empty_like(first.scale)}
+        del first, qdata, scale
+        _float8_per_tensor(weight, inner["qdata"], inner["scale"], work)
+        return self._unflatten(cls, inner, dict(ctx, block_size=[n, k]), weight)
 
     @staticmethod
     def _unflatten(cls, inner: dict, ctx: dict, weight: torch.Tensor) -> torch.Tensor:

@@ -143,12 +143,32 @@ def test_local_float8_bytes_that_differ_from_torchao_fall_back_to_quantize_(monk
     assert calls == [32] * 8 and "local scale differs from torchao" in caplog.text
 
 
-def test_per_tensor_scales_are_not_chunked(calls):
+@pytest.mark.parametrize("n", [8 * 32, 8 * 32 + 24])
+def test_per_tensor_scales_are_computed_in_two_passes(n, calls):
+    """Limitations 4: one amax over every row, then row chunks; torchao quantizes the first chunk (a check)."""
+    config = tq.Float8WeightOnlyConfig(granularity=tq.PerTensor())
+    w = weight(n)
+    got = TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig(granularity=tq.PerTensor())))
+    assert got.scale.numel() == 1 and calls == [32] + ([n % 32] if n % 32 else [])
+    w[n - 3, 5] = float("inf")
+    with pytest.raises(NonFiniteWeightError):
+        TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+
+
+def test_per_tensor_local_bytes_that_differ_send_the_weight_to_quantize_whole(monkeypatch, calls):
+    real = quant_torchao._float8_per_tensor
+
+    def off_by_one_ulp(w, qdata, scale, work):
+        real(w, qdata, scale, work)
+        scale.view(torch.int32).add_(1)
+
+    monkeypatch.setattr(quant_torchao, "_float8_per_tensor", off_by_one_ulp)
     config = tq.Float8WeightOnlyConfig(granularity=tq.PerTensor())
     w = weight(8 * 32)
     got = TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
     assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig(granularity=tq.PerTensor())))
-    assert got.scale.numel() == 1 and calls[-1] == 8 * 32
+    assert calls == [32, 8 * 32]
 
 
 def test_group_scales_are_chunked(calls):
@@ -176,16 +196,21 @@ def skips_rows_not_multiple_of_16(real):
     return quantize
 
 
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
 @pytest.mark.parametrize("n", [8 * 32, 8 * 32 + 16, 8 * 32 + 8, 18 * 8])
-def test_plain_and_mixed_chunk_results_give_torchaos_whole_result(monkeypatch, n):
+def test_plain_and_mixed_chunk_results_give_torchaos_whole_result(monkeypatch, n, granularity):
     """The crash of issue 14: torchao returned a plain tensor for a chunk (first, later or last)."""
     fake = skips_rows_not_multiple_of_16(quant_torchao.quantize_whole)
     monkeypatch.setattr(quant_torchao, "quantize_whole", fake)
     w = weight(n)
+
     # 18 rows per chunk asked for: chunks are rounded to 16 rows, so no chunk is skipped where the whole
     # weight is not (before the fix a first chunk of 18 rows came back plain and crashed)
-    got = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=18 * K).quantize_rows(w)
-    want = w if n % 16 else reference(w, tq.Float8WeightOnlyConfig())
+    def config():
+        return tq.Float8WeightOnlyConfig(granularity=tq.PerRow() if granularity == "row" else tq.PerTensor())
+
+    got = TorchaoLinearMethod(config(), chunk_numel=18 * K).quantize_rows(w)
+    want = w if n % 16 else reference(w, config())
     assert_same_bytes(got, want)
 
 
