@@ -10,7 +10,9 @@ inner qdata/scale storages in place, measured with torchao 0.18).
 
 Row chunks (see :meth:`TorchaoLinearMethod.quantize_rows`): torchao's ``quantize_`` makes float32
 temporaries of everything it quantizes, so a weight is quantized a few rows at a time and the
-subclass reassembled. That is exact only where every output row depends on its input row alone:
+subclass reassembled. That is exact only where every output row depends on its input row alone.
+
+Limitations (the code points back to them):
 
 1. Only the tensor types in ``ROW_LOCAL_TYPES`` are chunked (their inner tensors are plain arrays
    indexed by weight row), and only when their ``block_size`` is ``[1, G]`` (per row, or groups
