@@ -165,3 +165,23 @@ def _config(path):
     import json
 
     return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_triton_kernel_quantizes_an_expert_as_the_torch_reference(granularity):
+    """kernel="triton" (the CUDA default; interpreted here) gives each expert the torch kernel's bytes and
+    scales, on a ragged [320, 160] weight (blocks of 128 that do not fit)."""
+    w = torch.randn(320, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    w[7, 9] = 3.0  # an outlier row/block
+    out = {}
+    for kernel in ("torch", "triton"):
+        method = Fp8MoEMethod(granularity, kernel)
+        scale_name = method.scale_names["w13_weight"]
+        shape = (2,) if granularity == "tensor" else ((2, 320, 1) if granularity == "channel" else (2, 3, 2))
+        tensors = {"w13_weight": torch.zeros(2, 320, 160, dtype=torch.float8_e4m3fn), scale_name: torch.zeros(shape)}
+        method.process_expert(None, "w13_weight", 1, w, tensors)
+        out[kernel] = tensors
+    for name in out["torch"]:
+        assert torch.equal(as_bytes(out["torch"][name]), as_bytes(out["triton"][name])), name
+    q, scale = torch_fp8_reference(w, granularity)
+    assert torch.equal(as_bytes(out["triton"]["w13_weight"][1]), as_bytes(q))
