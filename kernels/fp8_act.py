@@ -47,19 +47,26 @@ from layerwise.kernels.triton_common import (
 GROUP_SIZE = 128  # columns per scale of the "group" layout (the 128 x 128 weight block's width)
 ACT_GRANULARITIES = ("tensor", "token", "group")
 MAX_PARTIALS = 1024  # most programs of the per-tensor amax launch (a power of two)
-# (rows, columns) of one program's tile: per-token and per-tensor programs loop over the columns in
-# steps of the tile width; a group program covers GROUP_SIZE columns. Decode (M <= 64) on CUDA gets
-# one row per program (M programs of K / 1024 steps each); the interpreter pays per program.
-ACT_TILE_CUDA = (1, 1024)
+# One program's tile for per-token / per-tensor programs: (rows, columns); programs loop over the columns in
+# steps of the tile width. On CUDA a program takes one row, and the whole row in one step (the tile is the
+# next power of two >= K, at most ACT_MAX_TILE_K): at decode (M = 8) a loop of K / 1024 dependent loads per
+# pass, each waiting on memory, would take ~20 us for K = 14336; one wide load takes ~1-2 us. The number of
+# warps grows with the tile (ACT_WARPS). The interpreter pays per program, so it takes many rows.
+ACT_ROWS_CUDA = 1
+ACT_MAX_TILE_K = 16384
+ACT_WARPS = ((2048, 4), (8192, 8), (ACT_MAX_TILE_K, 16))  # (tile width up to, num_warps)
 ACT_TILE_INTERPRET = (16, 512)
 GROUP_ROWS_CUDA = 8
 GROUP_ROWS_INTERPRET = 32
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 
 
-def act_tile(device: torch.device) -> tuple[int, int]:
-    """(rows, columns) of a per-token / per-tensor program's tile on ``device``."""
-    return ACT_TILE_INTERPRET if device.type == "cpu" else ACT_TILE_CUDA
+def act_tile(device: torch.device, n_cols: int = 1) -> tuple[int, int, int]:
+    """(rows, columns, num_warps) of a per-token / per-tensor program's tile for K = ``n_cols``."""
+    if device.type == "cpu":
+        return (*ACT_TILE_INTERPRET, 1)
+    tile_k = min(max(triton.next_power_of_2(n_cols), 128), ACT_MAX_TILE_K)
+    return ACT_ROWS_CUDA, tile_k, next(w for limit, w in ACT_WARPS if tile_k <= limit)
 
 
 def group_rows(device: torch.device) -> int:
@@ -218,18 +225,19 @@ def quantize_activation(x: torch.Tensor, granularity: str = "token") -> tuple[to
             IS_BF16=is_bf16, ROWS=rows, GROUP=GROUP_SIZE,
         )  # fmt: skip
         return q, scale
-    rows, tile_k = act_tile(x.device)
+    rows, tile_k, num_warps = act_tile(x.device, k)
+    meta = dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)
+    if x.device.type != "cpu":
+        meta["num_warps"] = num_warps
     if granularity == "token":
-        grid = (triton.cdiv(m, rows),)
-        meta = dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)
-        launch(_act_quant_token_kernel, x.device, grid, src, bits, scale, m, k, **meta)
+        launch(_act_quant_token_kernel, x.device, (triton.cdiv(m, rows),), src, bits, scale, m, k, **meta)
         return q, scale
     programs = min(triton.cdiv(m, rows), MAX_PARTIALS)
     partial = torch.empty(programs, dtype=torch.float32, device=x.device)
-    launch(_act_amax_kernel, x.device, (programs,), src, partial, m, k, IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)
+    launch(_act_amax_kernel, x.device, (programs,), src, partial, m, k, **meta)
     launch(
         _act_quant_tensor_kernel, x.device, (programs,), src, bits, partial, scale, m, k, programs,
-        IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k, PARTIALS=MAX_PARTIALS,
+        PARTIALS=MAX_PARTIALS, **meta,
     )  # fmt: skip
     return q, scale
 

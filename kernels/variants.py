@@ -10,12 +10,12 @@ per-row or per-tile amax, CUDA tile sizes and the 128 x 128 block.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from layerwise.kernels.fp8_act import (
-    ACT_TILE_CUDA,
+    ACT_MAX_TILE_K,
     GROUP_ROWS_CUDA,
     GROUP_SIZE,
     MAX_PARTIALS,
@@ -23,6 +23,7 @@ from layerwise.kernels.fp8_act import (
     _act_quant_group_kernel,
     _act_quant_tensor_kernel,
     _act_quant_token_kernel,
+    act_tile,
 )
 from layerwise.kernels.fp8_gemm import SCALE_MODES as GEMM_SCALE_MODES
 from layerwise.kernels.fp8_gemm import (
@@ -41,6 +42,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POINTER_TYPES = {torch.bfloat16: "*i16", torch.float16: "*fp16", torch.float32: "*fp32"}
 # activation dtypes the fused W8A8 forward launches with (quant.fp8.fused_forward)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
+# the activation kernels hold no architecture-specific code (e4m3 as integer bits): the oldest and the
+# newest target suffice
+ACT_TARGETS = (80, 90)
 # compute capabilities checked: A100 (no e4m3 hardware type), L40S/RTX 4090, H100/H200
 CUDA_TARGETS = (80, 89, 90)
 
@@ -55,6 +59,10 @@ class KernelVariant:
         signature: argument name -> Triton type ("*fp32", "i32", "constexpr").
         constexprs: constexpr argument name -> value.
         targets: the compute capabilities it is launched on (FP8 tensor-core variants: sm_89+ only).
+        options: the launch options the wrapper passes (num_warps, num_stages), compiled with.
+        aligned: arguments known to be multiples of 16 (pointers: 16-byte aligned), as Triton specializes
+            them at launch for typical shapes; with them the GEMMs' loads are vectorized and pipelined
+            through shared memory (cp.async), so the compile shows the real shared-memory use.
     """
 
     name: str
@@ -62,6 +70,8 @@ class KernelVariant:
     signature: dict
     constexprs: dict
     targets: tuple = (80, 89, 90)  # compute capabilities the wrappers launch it on
+    options: dict = field(default_factory=dict)  # launch options: num_warps, num_stages
+    aligned: tuple = ()  # arguments compiled as multiples of 16 (Triton's runtime specialization)
 
 
 def _signature(fn: Callable, types: dict, constexprs: dict) -> dict:
@@ -113,84 +123,108 @@ def cuda_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
 
 
 def activation_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
-    """Every (kernel, dtype) of the fused activation quantization (``kernels.fp8_act``) on CUDA."""
-    rows, tile_k = ACT_TILE_CUDA
+    """The fused activation quantization kernels (``kernels.fp8_act``) the CUDA forward launches.
+
+    The per-token and per-tensor kernels' row tile is the next power of two of K with its warp count:
+    bf16 with int32 sizes is built at the narrowest, a middle and the widest tile (K <= 128, 4096,
+    > 8192); fp16 and int64 sizes at the widest only (the code differs by the load, and by the index
+    width, not by the tile), to keep CPU CI short.
+    """
+    cuda = torch.device("cuda")
     for dtype in ACT_DTYPES:
         name = str(dtype)[6:]
         common = dict(x_ptr=POINTER_TYPES[dtype], q_ptr="*u8", scale_ptr="*fp32", partial_ptr="*fp32")
         common.update(n_rows=index_type, n_cols=index_type, n_groups=index_type, n_partials=index_type)
         is_bf16 = dtype == torch.bfloat16
-        for fn, const in (
-            (_act_quant_token_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)),
-            (_act_quant_group_kernel, dict(IS_BF16=is_bf16, ROWS=GROUP_ROWS_CUDA, GROUP=GROUP_SIZE)),
-            (_act_amax_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)),
-            (_act_quant_tensor_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k, PARTIALS=MAX_PARTIALS)),
-        ):
-            kernel = fn.__name__.strip("_").removesuffix("_kernel")
-            yield KernelVariant(f"{kernel}[{name},{index_type}]", fn, _signature(fn, common, const), const)
+        const = dict(IS_BF16=is_bf16, ROWS=GROUP_ROWS_CUDA, GROUP=GROUP_SIZE)
+        fn = _act_quant_group_kernel
+        yield KernelVariant(
+            f"act_quant_group[{name},{index_type}]", fn, _signature(fn, common, const), const, ACT_TARGETS
+        )
+        widths = (1, 4096, ACT_MAX_TILE_K) if is_bf16 and index_type == "i32" else (ACT_MAX_TILE_K,)
+        for n_cols in widths:
+            rows, tile_k, num_warps = act_tile(cuda, n_cols)
+            for fn, const in (
+                (_act_quant_token_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)),
+                (_act_amax_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k)),
+                (_act_quant_tensor_kernel, dict(IS_BF16=is_bf16, ROWS=rows, TILE_K=tile_k, PARTIALS=MAX_PARTIALS)),
+            ):
+                kernel = fn.__name__.strip("_").removesuffix("_kernel")
+                yield KernelVariant(
+                    f"{kernel}[{name},{tile_k},{index_type}]",
+                    fn,
+                    _signature(fn, common, const),
+                    const,
+                    ACT_TARGETS,
+                    dict(num_warps=num_warps),
+                )
 
 
 def gemm_variants() -> Iterator[KernelVariant]:
     """The FP8 GEMM specializations the CUDA forward launches (``kernels.fp8_gemm``), for AOT compiles.
 
-    W8A16 decodes e4m3 with integer ops on sm_80 and in hardware on sm_89+; the block-scaled W8A8 GEMM
-    (FP8 tensor cores) runs on sm_89+. To keep CPU CI under a minute, the full matrix is built for
-    bf16 (the checkpoints' dtype) and the decode tile (the first row of each table: int64 sizes and a
-    bias too); fp16 and the larger tiles only where the code differs: fp16 for the decode tile, the larger
-    tiles with int32 sizes, no bias, per-channel and per-block epilogues. FP8 variants build for sm_89 and
-    sm_90 in the decode tile with int32 sizes, for sm_90 only otherwise.
+    A GEMM compile costs about a second of CPU, so the list is chosen, not a full product (CPU CI stays
+    under a minute): the decode tile (first table row) in every scale layout, with a bias, 16-aligned
+    (the common runtime case, see ``KernelVariant.aligned``), integer e4m3 decode on sm_80 and FP8
+    hardware on sm_90 (sm_89 once); then one variant for each other code difference: unaligned, int64
+    sizes, fp16, and each larger tile (sm_90).
     """
+    bf16, fp16 = torch.bfloat16, torch.float16
+    # (kind, dtype, tile row, scale layout, index type, bias, aligned, FP8 targets, sm_80 too)
+    specs = [("w8a16", bf16, 0, g, "i32", True, True, (89, 90) if g == "channel" else (90,), True)
+             for g in ("tensor", "channel", "block")]  # fmt: skip
+    specs += [
+        ("w8a16", bf16, 0, "channel", "i32", True, False, (90,), True),
+        ("w8a16", bf16, 0, "channel", "i64", False, True, (90,), True),
+        ("w8a16", fp16, 0, "channel", "i32", False, True, (90,), False),
+    ]
+    specs += [("w8a16", bf16, t, g, "i32", False, True, (90,), False) for t in (1, 2, 3) for g in ("channel", "block")]
+    specs += [
+        ("block", bf16, 0, "block", "i32", True, True, (89, 90), False),
+        ("block", bf16, 0, "block", "i32", True, False, (90,), False),
+        ("block", bf16, 0, "block", "i64", False, True, (90,), False),
+        ("block", fp16, 0, "block", "i32", False, True, (90,), False),
+    ]
+    specs += [("block", bf16, t, "block", "i32", False, True, (90,), False) for t in (1, 2, 3)]
     cuda = torch.device("cuda")
-    for dtype in ACT_DTYPES:
+    for kind, dtype, t, granularity, index_type, has_bias, aligned, fp8_targets, sm80 in specs:
         name, ptr, is_bf16 = str(dtype)[6:], POINTER_TYPES[dtype], dtype == torch.bfloat16
-        for t, (_, block_m, block_n, block_k, _, _) in enumerate(W8A16_TILES_CUDA):
-            if t and not is_bf16:
-                continue
-            for granularity, mode in GEMM_SCALE_MODES.items():
-                if t and granularity == "tensor":  # larger tiles: the per-tensor epilogue is the decode tile's
-                    continue
-                if granularity == "block":
-                    block_n, block_k = min(block_n, BLOCK_SIZE[0]), BLOCK_SIZE[1]
-                for index_type, has_bias in _gemm_sizes(t == 0 and is_bf16):
-                    types = dict(x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr)
-                    types.update(m=index_type, n=index_type, k=index_type, scale_cols=index_type)
-                    for native, targets in (
-                        (False, (80,)),
-                        (True, (89, 90) if t == 0 and index_type == "i32" else (90,)),
-                    ):
-                        const = dict(
-                            IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=mode, FP8_NATIVE=native,
-                            DOT_DTYPE=dot_dtype(dtype, cuda), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                        )  # fmt: skip
-                        yield KernelVariant(
-                            f"w8a16_gemm[{name},{granularity},{block_m}x{block_n}x{block_k},{index_type},"
-                            f"{'bias' if has_bias else 'nobias'},{'native' if native else 'int'}]",
-                            _w8a16_gemm_kernel,
-                            _signature(_w8a16_gemm_kernel, types, const),
-                            const,
-                            targets,
-                        )
-        for t, (_, block_m, block_n, block_k, _, _) in enumerate(W8A8_BLOCK_TILES_CUDA):
-            if t and not is_bf16:
-                continue
-            for index_type, has_bias in _gemm_sizes(t == 0 and is_bf16):
-                types = dict(xq_ptr="*u8", x_scale_ptr="*fp32", w_ptr="*u8", w_scale_ptr="*fp32")
-                types.update(bias_ptr=ptr, out_ptr=ptr, m=index_type, n=index_type, k=index_type)
-                types.update(x_scale_cols=index_type, w_scale_cols=index_type)
+        table = W8A16_TILES_CUDA if kind == "w8a16" else W8A8_BLOCK_TILES_CUDA
+        _, block_m, block_n, block_k, num_warps, num_stages = table[t]
+        if granularity == "block":
+            block_n, block_k = min(block_n, BLOCK_SIZE[0]), BLOCK_SIZE[1]
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        label = f"{block_m}x{block_n}x{block_k},{index_type},{'bias' if has_bias else 'nobias'}"
+        if kind == "w8a16":
+            fn, alignment = _w8a16_gemm_kernel, W8A16_ALIGNED
+            types = dict(x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr)
+            types.update(m=index_type, n=index_type, k=index_type, scale_cols=index_type)
+            forms = [(True, fp8_targets)] + ([(False, (80,))] if sm80 else [])
+            for native, targets in forms:
                 const = dict(
-                    OUT_BF16=is_bf16, HAS_BIAS=has_bias, FP8_NATIVE=True, BLOCK_M=block_m, BLOCK_N=block_n,
-                    BLOCK_K=block_k,
+                    IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=GEMM_SCALE_MODES[granularity], FP8_NATIVE=native,
+                    DOT_DTYPE=dot_dtype(dtype, cuda), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 )  # fmt: skip
                 yield KernelVariant(
-                    f"w8a8_block_gemm[{name},{block_m}x{block_n}x{block_k},{index_type},"
-                    f"{'bias' if has_bias else 'nobias'}]",
-                    _w8a8_block_gemm_kernel,
-                    _signature(_w8a8_block_gemm_kernel, types, const),
-                    const,
-                    (89, 90) if t == 0 and index_type == "i32" else (90,),
-                )
+                    f"w8a16_gemm[{name},{granularity},{label},{'native' if native else 'int'}"
+                    f"{',aligned' if aligned else ''}]",
+                    fn, _signature(fn, types, const), const, targets, options, alignment if aligned else (),
+                )  # fmt: skip
+        else:
+            fn, alignment = _w8a8_block_gemm_kernel, W8A8_BLOCK_ALIGNED
+            types = dict(xq_ptr="*u8", x_scale_ptr="*fp32", w_ptr="*u8", w_scale_ptr="*fp32")
+            types.update(bias_ptr=ptr, out_ptr=ptr, m=index_type, n=index_type, k=index_type)
+            types.update(x_scale_cols=index_type, w_scale_cols=index_type)
+            const = dict(
+                OUT_BF16=is_bf16, HAS_BIAS=has_bias, FP8_NATIVE=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k,
+            )  # fmt: skip
+            yield KernelVariant(
+                f"w8a8_block_gemm[{name},{label}{',aligned' if aligned else ''}]",
+                fn, _signature(fn, types, const), const, fp8_targets, options, alignment if aligned else (),
+            )  # fmt: skip
 
 
-def _gemm_sizes(full: bool) -> tuple:
-    """(index type, has bias) pairs built for a GEMM tile: both widths and a bias where ``full``."""
-    return (("i32", True), ("i64", False)) if full else (("i32", False),)
+# pointers and the sizes that are multiples of 16 in real models (M, the batch, usually is not)
+W8A16_ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "n", "k")
+W8A8_BLOCK_ALIGNED = ("xq_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "n", "k")

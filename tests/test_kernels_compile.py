@@ -14,6 +14,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from layerwise.kernels.fp8_gemm import W8A8_BLOCK_TILES_CUDA, W8A16_TILES_CUDA  # noqa: E402
 from layerwise.kernels.triton_common import LAUNCH_OPTIONS  # noqa: E402
 from layerwise.kernels.variants import CUDA_TARGETS, activation_variants, cuda_variants, gemm_variants  # noqa: E402
 
@@ -23,8 +24,10 @@ GEMM_VARIANTS = list(gemm_variants())
 
 
 def _compile(variant, cc: int):
-    source = ASTSource(triton.jit(variant.fn), variant.signature, variant.constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(LAUNCH_OPTIONS))
+    names = list(variant.signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in variant.aligned}
+    source = ASTSource(triton.jit(variant.fn), variant.signature, variant.constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(LAUNCH_OPTIONS, **variant.options))
 
 
 def test_the_matrix_covers_every_kernel_dtype_and_layout():
@@ -38,22 +41,47 @@ def test_the_matrix_covers_every_kernel_dtype_and_layout():
 
 def test_the_matrix_covers_every_activation_kernel():
     names = {v.name for v in ACT_VARIANTS}
-    assert len(names) == len(ACT_VARIANTS) == 2 * 2 * 4  # width x dtype x kernel
-    for kernel in ("act_quant_token", "act_quant_group", "act_amax", "act_quant_tensor"):
-        assert f"{kernel}[bfloat16,i64]" in names
+    assert len(names) == len(ACT_VARIANTS) == 4 + 3 * (3 + 1 + 1 + 1)  # group x 4; bf16 i32 x 3 tiles, 3 x 1
+    for width, dtype in (("i32", "bfloat16"), ("i64", "bfloat16"), ("i32", "float16"), ("i64", "float16")):
+        assert f"act_quant_group[{dtype},{width}]" in names
+        for kernel in ("act_quant_token", "act_amax", "act_quant_tensor"):
+            assert f"{kernel}[{dtype},16384,{width}]" in names
+    for tile_k in (128, 4096):
+        assert f"act_quant_token[bfloat16,{tile_k},i32]" in names
 
 
 def test_the_matrix_covers_every_gemm():
     names = {v.name for v in GEMM_VARIANTS}
     assert len(names) == len(GEMM_VARIANTS)
-    for dtype in ("bfloat16", "float16"):
-        for layout in ("tensor", "channel", "block"):
-            for decode in ("int", "native"):  # sm_80 and sm_89+ forms of the decode tile
-                assert any(n.startswith(f"w8a16_gemm[{dtype},{layout},16x16x") and n.endswith(f",{decode}]")
-                           for n in names)  # fmt: skip
-        assert any(n.startswith(f"w8a8_block_gemm[{dtype},16x16x128,") for n in names)
-    assert "w8a8_block_gemm[bfloat16,16x16x128,i64,nobias]" in names
-    assert "w8a16_gemm[bfloat16,block,16x16x128,i32,bias,native]" in names
+    for layout in ("tensor", "channel", "block"):  # the decode tile, each epilogue, both e4m3 decodes
+        for decode in ("int", "native"):
+            assert (
+                f"w8a16_gemm[bfloat16,{layout},16x16x{128 if layout == 'block' else 256},i32,bias,{decode},aligned]"
+                in names
+            )
+    assert "w8a16_gemm[bfloat16,channel,16x16x256,i32,bias,native]" in names  # unaligned
+    assert "w8a16_gemm[bfloat16,channel,16x16x256,i64,nobias,native,aligned]" in names
+    assert "w8a16_gemm[float16,channel,16x16x256,i32,nobias,native,aligned]" in names
+    assert "w8a8_block_gemm[bfloat16,16x16x128,i32,bias,aligned]" in names
+    assert "w8a8_block_gemm[bfloat16,16x16x128,i32,bias]" in names
+    assert "w8a8_block_gemm[bfloat16,16x16x128,i64,nobias,aligned]" in names
+    assert "w8a8_block_gemm[float16,16x16x128,i32,nobias,aligned]" in names
+    for kind, table in (("w8a16_gemm", W8A16_TILES_CUDA), ("w8a8_block_gemm", W8A8_BLOCK_TILES_CUDA)):
+        for _, block_m, _, _, _, _ in table:  # every tile row of both tables is built
+            assert any(n.startswith(f"{kind}[bfloat16,") and f",{block_m}x" in n for n in names), (kind, block_m)
+    for v in GEMM_VARIANTS:  # FP8 conversions and tensor cores only where the hardware has them
+        assert set(v.targets) <= ({89, 90} if v.constexprs["FP8_NATIVE"] else {80}), v.name
+
+
+def test_aligned_gemms_pipeline_their_loads():
+    # with 16-aligned pointers and sizes (Triton's launch-time specialization) the K loop's loads become
+    # cp.async copies into shared memory, num_stages deep: the latency hiding the decode tiles rely on
+    for name in ("w8a16_gemm[bfloat16,channel,16x16x256,i32,bias,native,aligned]",
+                 "w8a8_block_gemm[bfloat16,16x16x128,i32,bias,aligned]"):  # fmt: skip
+        variant = next(v for v in GEMM_VARIANTS if v.name == name)
+        compiled = _compile(variant, 90)
+        assert "cp.async" in compiled.asm["ptx"], name
+        assert compiled.metadata.shared >= 2 * 16 * 128, name  # more than one stage of the smallest tile
     for v in GEMM_VARIANTS:  # FP8 conversions and tensor cores only where the hardware has them
         assert set(v.targets) <= ({89, 90} if v.constexprs["FP8_NATIVE"] else {80}), v.name
 
@@ -65,6 +93,8 @@ def test_the_matrix_covers_every_gemm():
 )
 def test_kernel_compiles_to_a_cubin(variant, cc):
     compiled = _compile(variant, cc)
+    # the launch fits the SM's shared memory (per block, opt-in maximum: sm_80 163 KiB, sm_89 99 KiB, sm_90 227 KiB)
+    assert compiled.metadata.shared <= {80: 166912, 89: 101376, 90: 232448}[cc], compiled.metadata.shared
     assert len(compiled.asm["cubin"]) > 0
     # every tensor of addresses is offset by int64: elements past 2^31 are reachable
     addptrs = [line for line in compiled.asm["ttir"].splitlines() if "tt.addptr" in line and "tensor<" in line]
