@@ -78,7 +78,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         kernel: "torch" or "triton" (quantize at load time, dequantize for W8A16).
         mode: "auto", "w8a8" or "w8a16", as :class:`layerwise.quant.fp8.Fp8LinearMethod`.
     Raises:
-        ValueError: unknown granularity or mode, or w8a8 with per-block scales.
+        ValueError: unknown granularity or mode.
     """
 
     def __init__(self, granularity: str = "tensor", kernel: str = "torch", mode: str = "auto"):
