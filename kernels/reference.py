@@ -91,7 +91,7 @@ def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
         w: floating tensor (bf16, fp16, fp32); 2-D [N, K] for "channel" and "block".
     Returns:
         float32 tensor on w's device; NaN/Inf in a group gives a non-finite entry.
-    Uses ``aminmax`` on row chunks, so no temporary the size of ``w`` is made.
+    Per-tensor uses ``aminmax``; per-channel and per-block reduce float32 row chunks (<= 4 MiB).
     """
     shape = scale_shape(w.shape, granularity)
     if w.numel() == 0:
@@ -101,21 +101,30 @@ def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
         return torch.maximum(hi.float(), -lo.float())
     n, k = w.shape
     out = torch.empty(shape, dtype=torch.float32, device=w.device)
+    # Each row chunk is widened into one reused float32 buffer and reduced there: torch's CPU reductions
+    # along a dim are 5-30x slower on bf16 than on float32 (an 8192 x 4096 bf16 weight: per-channel
+    # 269 ms -> 15 ms, per-block 524 ms -> 16 ms). |x| in place; amax keeps NaN (and Inf) in its group.
+    buf = torch.empty(min(CHUNK_NUMEL, w.numel()), dtype=torch.float32, device=w.device)
     if granularity == "channel":
         for r0, r1 in _row_chunks(n, k):
-            lo, hi = torch.aminmax(w[r0:r1], dim=1)
-            out[r0:r1, 0] = torch.maximum(hi.float(), -lo.float())
+            tmp = buf[: (r1 - r0) * k].view(r1 - r0, k)
+            tmp.copy_(w[r0:r1])
+            torch.amax(tmp.abs_(), dim=1, out=out[r0:r1, 0])
         return out
     bn, bk = BLOCK_SIZE
     kb = out.shape[1]
     for r0, r1 in _row_chunks(n, k, align=bn):
         chunk = w[r0:r1]
         rows = r1 - r0
-        if k % bk or rows % bn:  # ragged edge: pad with zeros (in w's dtype; zeros never win a max of |w|)
+        if k % bk or rows % bn:  # ragged edge: pad with zeros (zeros never win a max of |w|)
             chunk = F.pad(chunk, (0, kb * bk - k, 0, -rows % bn))
-        blocks = chunk.reshape(-(-rows // bn), bn, kb, bk)
-        hi, lo = torch.amax(blocks, dim=(1, 3)), torch.amin(blocks, dim=(1, 3))  # no |w| temporary
-        out[r0 // bn : (r1 + bn - 1) // bn] = torch.maximum(hi.float(), -lo.float())
+        nb = chunk.shape[0] // bn
+        if chunk.numel() <= buf.numel():
+            tmp = buf[: chunk.numel()].view(nb, bn, kb, bk)
+            tmp.copy_(chunk.reshape(nb, bn, kb, bk))
+        else:  # a padded edge chunk may exceed the buffer: widen it on its own
+            tmp = chunk.reshape(nb, bn, kb, bk).float()
+        out[r0 // bn : r0 // bn + nb] = tmp.abs_().amax(dim=(1, 3))
     return out
 
 
@@ -210,9 +219,7 @@ def quantize(
             byte (torch's e4m3 cast rounds every value below 464 to at most 448, as after the clamp).
     Returns:
         float8_e4m3fn tensor of w's shape (``out`` when given). ``w`` is never modified.
-    Work is done in row chunks, so the float32 temporaries stay <= 4 MiB. A bf16/fp16/fp32 ``w`` is
-    widened inside the division (``torch.div(..., out=float32 buffer)``: exact, one pass instead of a copy
-    and an in-place division).
+    Work is done in row chunks, so the float32 temporaries stay <= 4 MiB.
     """
     granularity = scale_layout(w, scale)
     if out is None:
@@ -223,15 +230,12 @@ def quantize(
     n, k = src.shape
     # One float32 work buffer, reused: w is never written, even when it is float32 already.
     buf = torch.empty(min(CHUNK_NUMEL, src.numel()), dtype=torch.float32, device=w.device)
-    widen_in_div = w.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
     def divide(tmp: torch.Tensor, part: torch.Tensor, divisor: torch.Tensor) -> None:
-        # divisor has >= 1 dim, so type promotion computes in float32 (a 0-dim one would leave it bf16)
-        if widen_in_div:
-            torch.div(part, divisor, out=tmp)
-        else:
-            tmp.copy_(part)
-            tmp.div_(divisor)
+        # widen, then divide in place: a mixed-dtype torch.div(bf16, f32, out=f32) is 4-16x slower on CPU
+        # (an 8192 x 4096 bf16 weight, per tensor: 763 ms vs 46 ms; clone 56 ms)
+        tmp.copy_(part)
+        tmp.div_(divisor)
 
     if granularity == "tensor":  # one long row: chunk along it
         for c0 in range(0, k, CHUNK_NUMEL):
