@@ -32,6 +32,10 @@ class QuantMethod:
 
     #: short name used in reports, e.g. "fp8-per-tensor"
     name = "base"
+    #: True when ``process_weights_after_loading`` replaces ``weight`` with new tensors and keeps no view of
+    #: the checkpoint-format weight: the session may then materialize it in a reused staging buffer
+    #: (see layerwise.reload.meta.StagingBuffer). Anything else that aliases the buffer is copied out.
+    replaces_weight = False
 
     def create_weights(
         self,

@@ -131,6 +131,8 @@ class Fp8LinearMethod(QuantMethod):
     CUDA sm89+ with kernel "triton" and bf16/fp16 activations).
     """
 
+    replaces_weight = True  # weight -> new FP8 tensor + scale; the bias is the only tensor kept
+
     def __init__(
         self,
         granularity: str = "tensor",

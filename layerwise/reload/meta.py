@@ -36,16 +36,71 @@ def restore_layer_on_meta(layer: nn.Module, info: LayerReloadingInfo) -> None:
     set_layer_tensors(layer, dict(info.restore_metadata))
 
 
-def materialize_layer(layer: nn.Module, info: LayerReloadingInfo, device: torch.device) -> None:
-    """Give the layer fresh, uninitialized checkpoint-format parameters on ``device``.
+class StagingBuffer:
+    """One byte buffer on the CPU, reused to materialize module after module in checkpoint format.
+
+    A fresh allocation per module costs its page faults on first write: copying a 64 MiB BF16 weight
+    into new memory took 41 ms here, into touched memory 8.6 ms (one thread). The buffer grows to the
+    largest module staged and is freed with the session. Only modules whose quant method replaces the
+    weight (``QuantMethod.replaces_weight``) are staged; whatever of the processed module still aliases
+    the buffer (a bias) is copied out by :meth:`release`.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bytes = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def tensors(self, metas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Uninitialized tensors of the metas' shapes and dtypes, packed in the buffer (64-byte aligned)."""
+        offsets, total = {}, 0
+        for name, meta in metas.items():
+            offsets[name] = total
+            total += -(-(meta.numel() * meta.element_size()) // 64) * 64
+        if self._bytes.numel() < total:
+            self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)  # the old one is freed first
+            self._bytes = torch.empty(total, dtype=torch.uint8, device=self.device)
+        return {
+            name: self._bytes[offsets[name] : offsets[name] + meta.numel() * meta.element_size()]
+            .view(meta.dtype)
+            .view(meta.shape)
+            for name, meta in metas.items()
+        }
+
+    def release(self, layer: nn.Module) -> None:
+        """Copy out every tensor of ``layer`` that still lives in the buffer, before the next module reuses it."""
+        if self._bytes.numel() == 0:
+            return
+        lo = self._bytes.data_ptr()
+        hi = lo + self._bytes.numel()
+        kept = layer_tensors(layer)
+        moved = {}
+        for name, t in kept.items():
+            if t.device != self.device or t.numel() == 0 or not lo <= t.untyped_storage().data_ptr() < hi:
+                continue
+            data = t.detach().clone()
+            if hasattr(t, "with_data"):  # a typed parameter (ModelWeightParameter) keeps its type and loader
+                moved[name] = t.with_data(data)
+            elif isinstance(t, nn.Parameter):
+                moved[name] = nn.Parameter(data, requires_grad=t.requires_grad)
+            else:
+                moved[name] = data
+        if moved:
+            set_layer_tensors(layer, {**kept, **moved})
+
+
+def materialize_layer(
+    layer: nn.Module, info: LayerReloadingInfo, device: torch.device, staging: StagingBuffer | None = None
+) -> None:
+    """Give the layer uninitialized checkpoint-format parameters on ``device``.
 
     Each new parameter has the type, shape, dtype and layout of its meta counterpart and the
-    original (unwrapped) weight loader, so replayed loads write real memory.
+    original (unwrapped) weight loader, so replayed loads write real memory. With ``staging`` the
+    memory is the staging buffer's (reused by the next module), else fresh.
     """
-    fresh = {
-        name: meta.with_data(
-            torch.empty(meta.shape, dtype=meta.dtype, device=device), weight_loader=info.weight_loaders[name]
-        )
-        for name, meta in info.restore_metadata.items()
-    }
+    metas = info.restore_metadata
+    if staging is not None:
+        data = staging.tensors(metas)
+    else:
+        data = {name: torch.empty(meta.shape, dtype=meta.dtype, device=device) for name, meta in metas.items()}
+    fresh = {name: meta.with_data(data[name], weight_loader=info.weight_loaders[name]) for name, meta in metas.items()}
     set_layer_tensors(layer, fresh)

@@ -38,7 +38,13 @@ from layerwise.kernels import has_non_finite
 from layerwise.quant.base import check_finite
 from layerwise.quant.parameters import ModelWeightParameter
 from layerwise.reload.counting import record_loader_writes, written_numel
-from layerwise.reload.meta import layer_tensors, materialize_layer, restore_layer_on_meta, set_layer_tensors
+from layerwise.reload.meta import (
+    StagingBuffer,
+    layer_tensors,
+    materialize_layer,
+    restore_layer_on_meta,
+    set_layer_tensors,
+)
 from layerwise.reload.types import (
     BufferedLoad,
     LayerReloadingInfo,
@@ -66,7 +72,10 @@ def _session(model: nn.Module) -> ReloadSession | None:
 
 
 def _end_session(model: nn.Module) -> ReloadSession | None:
-    return model.__dict__.pop(_SESSION_ATTR, None)
+    session = model.__dict__.pop(_SESSION_ATTR, None)
+    if session is not None:
+        session.staging = None  # the staging buffer is freed with the session, not with its report
+    return session
 
 
 def _modules(model: nn.Module):
@@ -143,7 +152,10 @@ def initialize_layerwise_reload(
         raise RuntimeError("no metadata recorded: call record_metadata_for_reloading(model) first")
     if device is None:
         raise RuntimeError("device is required when loading a model that is still on the meta device")
-    session = ReloadSession(device=torch.device(device), modules=modules, first_load=first_load, atomic=atomic)
+    device = torch.device(device)
+    session = ReloadSession(device=device, modules=modules, first_load=first_load, atomic=atomic)
+    if device.type == "cpu":
+        session.staging = StagingBuffer(device)
     for module in modules.values():
         info = get_layerwise_info(module)
         info.reset()
@@ -337,7 +349,9 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         raise DuplicateWeightError("double write: " + "; ".join(doubled + missing), key=key)
     if missing:  # load_numel reached the total although regions are missing: cannot happen without doubles
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
-    materialize_layer(module, info, session.device)
+    quant_method = getattr(module, "quant_method", None)
+    staging = session.staging if quant_method is not None and quant_method.replaces_weight else None
+    materialize_layer(module, info, session.device, staging)
     nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
     for buffered in info.loaded_weights:
@@ -345,7 +359,6 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
             module._parameters[buffered.param_name], buffered.loaded_weight, buffered.shard_id
         )
     try:
-        quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(module)
         else:
@@ -356,6 +369,8 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
             f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
             key=_find_non_finite_key(info.loaded_weights),
         ) from e
+    if staging is not None:
+        staging.release(module)  # the next module reuses the buffer: copy out what still lives there (a bias)
     processed = layer_tensors(module)
     if info.kernel_tensors:
         _check_kernel_format(info, processed)

@@ -112,6 +112,8 @@ class ReloadSession:
         buffered_bytes / peak_buffered_bytes: bytes of checkpoint tensors held in buffers (on CPU)
             by incomplete modules, now and at most during this session (memory-mapped views count,
             though they cost only page cache).
+        staging: the buffer modules are materialized in, on CPU (see ``meta.StagingBuffer``); None on
+            other devices (CUDA's caching allocator already reuses freed blocks) and after the session.
         unit_bytes: module prefix -> the most checkpoint-format bytes materialized at once on the device
             for it: the whole module, or, for a unit-wise module, its largest processing unit (one
             expert's w13). The session's transient device memory is about the largest of these.
@@ -126,6 +128,7 @@ class ReloadSession:
     buffered_bytes: int = 0
     peak_buffered_bytes: int = 0
     unit_bytes: dict[str, int] = field(default_factory=dict)
+    staging: Any = None  # a layerwise.reload.meta.StagingBuffer on CPU (reused module memory), else None
 
 
 def intervals_of_view(offset: int, sizes: tuple, strides: tuple) -> tuple[np.ndarray, int]:
