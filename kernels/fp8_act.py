@@ -15,7 +15,7 @@ scale over the whole tensor), with no host synchronization, so a CUDA graph can 
 Arithmetic, identical to ``kernels.reference.activation_scale`` + ``kernels.reference.quantize``:
 
     amax  = max |x| over the group (float32; exact)
-    scale = max(amax / 448, float32 tiny)      IEEE division (tl.fdiv ieee_rounding)
+    scale = max(amax / 448, float32 tiny)      IEEE division (tl.div_rn)
     q     = e4m3fn(clamp(float32(x) / scale, -448, 448))    IEEE division, round half to even
 
 so an all-zero group gets the tiny scale and quantizes to zeros. Finite inputs give the reference's
@@ -77,13 +77,13 @@ def group_rows(device: torch.device) -> int:
 @helper
 def scale_of(amax):
     """max(amax / 448, tiny), IEEE division (amax float32, any shape)."""
-    return tl.maximum(tl.fdiv(amax, 448.0, ieee_rounding=True), 1.1754943508222875e-38)  # FLOAT32_TINY
+    return tl.maximum(tl.div_rn(amax, 448.0), 1.1754943508222875e-38)  # FLOAT32_TINY
 
 
 @helper
 def quantize_bits(x, scale):
     """uint8 e4m3 bytes of clamp(x / scale, -448, 448) (IEEE division); NaN gives 0x7F."""
-    y = tl.fdiv(x, scale, ieee_rounding=True)
+    y = tl.div_rn(x, scale)
     is_nan = y != y  # before the clamp: min/max may drop a NaN operand (fminf, fmaxf)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     return tl.where(is_nan, 0x7F, e4m3_bits(y)).to(tl.uint8)

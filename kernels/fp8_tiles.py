@@ -90,7 +90,7 @@ def _quantize_kernel(
     rows, cols, mask = tile_rows_cols(n_rows, n_cols, TILE_N, TILE_K)
     x = load_f32(x_ptr + rows * n_cols + cols, mask, IS_BF16)
     scale = load_scale(scale_ptr, rows, cols, mask, scale_cols, SCALE_MODE, BLOCK_N, BLOCK_K)
-    y = tl.minimum(tl.maximum(tl.fdiv(x, scale, ieee_rounding=True), -448.0), 448.0)
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
     tl.store(out_ptr + rows * n_cols + cols, e4m3_bits(y).to(tl.uint8), mask=mask)
 
 

@@ -11,8 +11,9 @@ Groups: the whole tensor ("tensor", scale shape [] or [1]); each output row ("ch
 each 128 x 128 block ("block", [ceil(N/128), ceil(K/128)], DeepSeek-V3's weight_scale_inv layout).
 The division is IEEE float32 division, as in torch's own ``(w.float() / scale)`` on CPU and in
 torchao's ``quantize_affine_float8``, so the bytes equal torchao's Float8WeightOnly per-tensor ones;
-the Triton kernels ask for it explicitly (``tl.fdiv(..., ieee_rounding=True)``: Triton's default
-fp32 division is approximate). The recipe scale = amax / finfo(e4m3).max is vLLM's
+the Triton kernels ask for it explicitly with ``tl.div_rn``: Triton's ``/`` is ``div.full.f32`` (approximate,
+off by an ulp, which moves round-half-to-even ties: seen on an H100), and Triton 3.6, the version torch 2.11
+pins, ignores ``tl.fdiv(..., ieee_rounding=True)``. The recipe scale = amax / finfo(e4m3).max is vLLM's
 (scaled_fp8_quant) and torchao's.
 """
 
