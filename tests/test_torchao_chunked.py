@@ -40,10 +40,26 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got_names == names and got_ctx == ctx and got.shape == want.shape
     for name in names:
         g, w = getattr(got, name), getattr(want, name)
+        if hasattr(w, "__tensor_flatten__"):  # a nested subclass (torchao's AffineQuantizedTensor's tensor_impl)
+            _assert_same_inner(g, w)
+            continue
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), name
     # bytes: torchao turns an all-zero row into NaN (0 / a zero scale) in float8, the same in both
     assert torch.equal(got.dequantize().view(torch.uint8), want.dequantize().view(torch.uint8))
+
+
+def _assert_same_inner(got, want) -> None:
+    assert type(got) is type(want)
+    names, ctx = want.__tensor_flatten__()
+    assert got.__tensor_flatten__() == (names, ctx)
+    for name in names:
+        g, w = getattr(got, name), getattr(want, name)
+        if hasattr(w, "__tensor_flatten__"):
+            _assert_same_inner(g, w)
+        else:
+            assert g.dtype == w.dtype and g.shape == w.shape, name
+            assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), name
 
 
 @pytest.fixture(autouse=True)
