@@ -250,3 +250,20 @@ def test_skipping_the_clamp_for_an_own_amax_scale_changes_no_byte(granularity):
         expanded = reference._expand_rows(scale, granularity, 0, x.shape[0], x.shape[1])
         own_cast = (x.float() / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)  # torch's own formula
         assert torch.equal(_bits(fast), _bits(own_cast))
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_amax_of_a_large_bf16_weight_equals_float32_reduction(granularity):
+    # >= CHUNK_NUMEL elements and ragged in both dims: the widened (float32 buffer) path of reference.amax
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(1030, 1100, generator=g) * 0.02).bfloat16()
+    w[700, 1099] = float("nan")
+    got = reference.amax(w, granularity)
+    a = w.float().abs()
+    if granularity == "channel":
+        want = a.amax(dim=1, keepdim=True)
+    else:
+        a = torch.nn.functional.pad(a, (0, -1100 % 128, 0, -1030 % 128))
+        want = a.view(a.shape[0] // 128, 128, a.shape[1] // 128, 128).amax(dim=(1, 3))
+    assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
