@@ -67,12 +67,6 @@ FP8_MODES = ("auto", "w8a8", "w8a16")
 SCALE_NAMES = {"tensor": "weight_scale", "channel": "weight_scale", "block": "weight_scale_inv"}
 
 
-# cuBLASLt found no FP8 algorithm for 2, 12 or 14 rows of activations (CUBLAS_STATUS_NOT_SUPPORTED on an
-# H100, torch 2.11+cu130: an MoE expert's token count), and ran 8 and 16: on CUDA the rows are padded up to
-# a multiple of this. Decode at batch 8 pays nothing.
-SCALED_MM_ROW_MULTIPLE = 8
-
-
 def scaled_mm_supported(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs on ``device`` (CPU in torch >= 2.13; CUDA on sm89+)."""
     if device.type == "cuda":
@@ -279,13 +273,7 @@ class Fp8LinearMethod(QuantMethod):
             x_scale = activation_scale(x2, act_granularity)
             xq = quantize(x2, x_scale, torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device))
         w_scale = scale if self.granularity == "tensor" else scale.t()  # [1, out] for row-wise
-        m = xq.shape[0]
-        pad = -m % SCALED_MM_ROW_MULTIPLE if x.device.type == "cuda" else 0
-        if pad:  # zero rows (scale 1) in, rows dropped out
-            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
-            if x_scale.numel() > 1:
-                x_scale = F.pad(x_scale, (0, 0, 0, pad), value=1.0)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)[:m]
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])

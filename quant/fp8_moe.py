@@ -141,7 +141,11 @@ class Fp8MoEMethod(FusedMoEMethodBase):
 
     def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:
         scale = getattr(layer, self.scale_names[param_name])
-        return scale[expert_id : expert_id + 1] if self.granularity == "tensor" else scale[expert_id]
+        if self.granularity == "tensor":
+            # a copy: the view scale[e:e+1] sits 4*e bytes into the tensor, and cuBLASLt's FP8 matmul refuses
+            # a scale pointer that is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED on the H100 for e > 0)
+            return scale[expert_id : expert_id + 1].clone()
+        return scale[expert_id]  # [N, 1] rows: e * N * 4 bytes in, aligned for N % 4 == 0
 
     def expert_linear(self, layer, param_name, expert_id, x):
         dense = self._dense[param_name]
