@@ -46,7 +46,7 @@ class LoadReport:
         largest_unit_bytes: the most checkpoint-dtype bytes the load materialized on the device at once:
             one whole module (qkv_proj, gate_up_proj, ...) or, in a mixture-of-experts layer, one
             processing unit (one expert's fused gate+up, or its down). With FP8, peak_bytes - model_bytes
-            is about this plus the quantization's float32 work buffer (at most 4 MiB; for an expert, a
+            is about this plus the quantization's float32 work buffer (at most 1 MiB; for an expert, a
             quarter of the unit's BF16 bytes).
         unit_bytes_by_layer: the same figure per load group ("layers.3", "embed_tokens", "lm_head", ...).
     """

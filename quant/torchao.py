@@ -51,7 +51,6 @@ from torch import nn
 
 from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels import has_non_finite
-from layerwise.kernels.reference import CHUNK_NUMEL
 from layerwise.optional import import_optional
 from layerwise.quant.base import QuantMethod, check_finite
 
@@ -64,7 +63,7 @@ ROW_LOCAL_TYPES = ("Float8Tensor", "Int8Tensor", "IntxUnpackedToInt8Tensor")
 #: skipped exactly when the whole weight is
 ROW_ALIGN = 16
 #: default elements per row chunk (torchao makes a few float32 copies of a chunk: 1 MiB each)
-DEFAULT_CHUNK_NUMEL = CHUNK_NUMEL // 4
+DEFAULT_CHUNK_NUMEL = 1 << 18
 
 
 def torchao_config(name: str):
