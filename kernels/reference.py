@@ -276,11 +276,14 @@ def quantize(
         tmp = buf[: (r1 - r0) * k].view(r1 - r0, k)
         if granularity == "channel":
             divide(tmp, src[r0:r1], scale[r0:r1])
-        else:  # one 128-column slice at a time: the scale is never expanded to the chunk's size
+        else:  # the chunk seen as [rows, K / 128, 128] blocks, divided by a broadcast [rows, K / 128, 1] scale
             scale_rows = _expand_rows(scale, "block_rows", r0, r1, k)  # [rows, ceil(K / 128)]
-            for j in range(scale_rows.shape[1]):
-                cols = slice(j * bk, (j + 1) * bk)
-                divide(tmp[:, cols], src[r0:r1, cols], scale_rows[:, j : j + 1])
+            tmp.copy_(src[r0:r1])
+            full = k // bk
+            if full:
+                tmp[:, : full * bk].view(r1 - r0, full, bk).div_(scale_rows[:, :full, None])
+            if k % bk:  # the ragged last block
+                tmp[:, full * bk :].div_(scale_rows[:, full:])
         if not within_range:
             tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         dst[r0:r1].copy_(tmp)
