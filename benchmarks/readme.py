@@ -354,9 +354,9 @@ amax + scale + quantize on BF16 weights; GB/s counts the input bytes once, clone
     if qk["device"] == "cpu" and kernels == "torch":
         text += """
 
-Per-tensor on CPU uses a fused Inductor kernel (bit-exact with the reference) for tensors of
-`FUSED_MIN_NUMEL` elements and up (`kernels/cpu_fused.py`); per-channel and per-block still run the
-chunked eager reference."""
+On CPU every granularity runs the chunked eager reference (widen into a reused float32 buffer, divide in
+place, cast); `LAYERWISE_COMPILE=1` opts per-tensor tensors of `FUSED_MIN_NUMEL` elements and up into a
+fused Inductor kernel (`kernels/cpu_fused.py`, bit-exact, a one-time compile announced on stderr)."""
     return text
 
 
@@ -415,6 +415,40 @@ def latest_results(results: Path) -> dict[tuple[str, str], tuple[str, dict]]:
         if key not in latest or rank > latest[key][0]:
             latest[key] = (rank, path.stem, data)
     return {key: (stem, data) for key, (_, stem, data) in latest.items()}
+
+
+def _moe_load(ml: dict) -> str:
+    """The MoE load table (benchmarks/moe_load.py): peak and final bytes, peak/final and time/floor per method."""
+    c = ml["shape"]
+    rows = []
+    for r in ml["results"]:
+        if "error" in r:
+            rows.append(f"| {r['method']} | did not run: {r['error']} | | | | |")
+            continue
+        rows.append(
+            f"| {r['method']} | {_f(r['peak_bytes'] / MIB, ',.1f')} | {_f(r['final_bytes'] / MIB, ',.1f')} "
+            f"| {_f(r['peak_over_final'])} | {_f(r['seconds'])} | {_f(r['time_over_floor'])} |"
+        )
+    ours = [r for r in ml["results"] if r["method"].startswith("layerwise") and "error" not in r]
+    peak_met = "met" if ours and all(r["peak_over_final"] <= 1.05 for r in ours) else "**not met**"
+    time_met = "met" if ours and all(r["time_over_floor"] <= 1.5 for r in ours) else "**not met**"
+    expert_kib = _f(ml["one_expert_bf16_bytes"] / 1024, ",.0f")
+    layer_mib = _f(ml["whole_moe_layer_bf16_bytes"] / MIB, ",.1f")
+    threads = ml.get("omp_num_threads")
+    return f"""### Mixture of experts load (CPU)
+
+A Qwen3-30B-A3B-shaped checkpoint scaled down by `python -m layerwise.benchmarks.moe_load`: {c["num_experts"]} experts,
+top-{c["num_experts_per_tok"]}, {c["num_hidden_layers"]} layers, hidden {c["hidden_size"]}, moe_intermediate_size
+{c["moe_intermediate_size"]} ({_f(ml["checkpoint_bytes"] / MIB, ",.1f")} MiB of BF16; one expert
+{expert_kib} KiB, a whole MoE layer {layer_mib} MiB).
+Run with {ml["versions"].get("torch")}, commit {ml.get("commit")}, {ml.get("date")}, {threads} thread(s).
+
+| method | peak MiB | final MiB | peak/final | load s | load/floor |
+|---|---:|---:|---:|---:|---:|
+{chr(10).join(rows)}
+
+Targets: peak/final <= 1.05: {peak_met}; load <= 1.5x the floor: {time_met}.
+transformers + torchao `quantize_` leaves the fused 3-D experts in BF16 (its final size is the checkpoint's)."""
 
 
 def _shape(data: dict) -> str:
@@ -523,6 +557,8 @@ def section(results: Path, readme: Path) -> str:
         _tp_load(data["tp_load"], pm),
         _quant_kernels(data["quant_kernels"], pm),
     ]
+    if ("moe_load", "cpu") in latest:
+        parts.append(_moe_load(latest[("moe_load", "cpu")][1]))
     if ("suite", "cpu") in latest:
         parts.append(_targets(latest[("suite", "cpu")][1], "CPU"))
     for device in sorted({d for b, d in latest if d != "cpu" and b in GPU_BENCHMARKS}):
