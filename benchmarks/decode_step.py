@@ -18,7 +18,6 @@ Writes DIR/<name>.json (ms per step, ratio to BF16, where it ran) and prints the
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import sys
@@ -30,8 +29,8 @@ import torch
 from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
-    RESULTS_NOTE,
     add_output_arguments,
+    benchmark_parser,
     default_cache_dir,
     positive_int,
     require,
@@ -167,14 +166,7 @@ def main(argv=None) -> int:
         MissingDependencyError: transformers (config.json of the generated checkpoint) is missing, or
             torchao for a torchao configuration; checked first.
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m layerwise.benchmarks.decode_step",
-        description=__doc__,
-        epilog=RESULTS_NOTE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser = benchmark_parser("python -m layerwise.benchmarks.decode_step", __doc__)
     parser.add_argument(
         "--configs", default=",".join(CONFIGS), metavar="C1,C2,...", help="scheme[/fp8_mode] list (default: all)"
     )

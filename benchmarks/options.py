@@ -17,6 +17,22 @@ results are refreshed only on purpose: run from the repository root with --out-d
 then regenerate the README with python -m layerwise.benchmarks.readme."""
 
 
+def benchmark_parser(
+    prog: str, description: str, device_help: str = "cpu or cuda (default: cpu)"
+) -> argparse.ArgumentParser:
+    """The parser every checkpoint benchmark starts from: ``--size`` (the checkpoint sizes of
+    benchmarks/checkpoints.py) and ``--device``, with the module docstring as description and the
+    results note as epilog."""
+    from layerwise.benchmarks.checkpoints import SIZES
+
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=RESULTS_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
+    parser.add_argument("--device", default="cpu", help=device_help)
+    return parser
+
+
 def default_cache_dir() -> Path:
     """Where generated benchmark checkpoints are kept: $LAYERWISE_CACHE/bench, else ~/.cache/layerwise/bench."""
     from layerwise.demo import default_cache_dir as layerwise_cache_dir

@@ -17,7 +17,6 @@ Writes DIR/<name>.json (seconds per case and / floor, where it ran) and prints t
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import sys
@@ -30,8 +29,8 @@ import layerwise
 from layerwise.benchmarks.checkpoints import SIZES, checkpoint_bytes, make_checkpoint
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
-    RESULTS_NOTE,
     add_output_arguments,
+    benchmark_parser,
     default_cache_dir,
     positive_int,
     require,
@@ -173,14 +172,7 @@ def main(argv=None) -> int:
     Raises:
         MissingDependencyError: transformers (which generates the checkpoint) is missing; checked first.
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m layerwise.benchmarks.reload_latency",
-        description=__doc__,
-        epilog=RESULTS_NOTE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser = benchmark_parser("python -m layerwise.benchmarks.reload_latency", __doc__)
     parser.add_argument(
         "--repeats", type=positive_int, default=3, help="best of this many runs after the first (default: 3)"
     )

@@ -23,7 +23,6 @@ is met.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 import time
@@ -34,7 +33,12 @@ import torch
 from layerwise.benchmarks import decode_step, peak_memory, reload_latency
 from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
 from layerwise.benchmarks.machine import describe_machine, provenance
-from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, default_cache_dir, write_json
+from layerwise.benchmarks.options import (
+    add_output_arguments,
+    benchmark_parser,
+    default_cache_dir,
+    write_json,
+)
 from layerwise.benchmarks.workers import run_worker
 
 # issue 14's targets (ratios; a target, not a measurement)
@@ -285,14 +289,7 @@ def summarize(out_dir: Path, device: str, size: str) -> dict:
 
 def main(argv=None) -> int:
     """Parse ``argv``, run the suite, write DIR/suite_<device>_<size>.json, print the ratios."""
-    parser = argparse.ArgumentParser(
-        prog="python -m layerwise.benchmarks.suite",
-        description=__doc__,
-        epilog=RESULTS_NOTE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser = benchmark_parser("python -m layerwise.benchmarks.suite", __doc__)
     parser.add_argument(
         "--budget",
         type=float,

@@ -35,7 +35,6 @@ Writes DIR/<name>.json and prints the table.
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import socket
@@ -48,8 +47,8 @@ import torch
 from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
-    RESULTS_NOTE,
     add_output_arguments,
+    benchmark_parser,
     default_cache_dir,
     positive_int,
     require,
@@ -520,6 +519,9 @@ def _run(size, device, repeats, cache, bucket_bytes, timeout_seconds, threads) -
     }
 
 
+DEVICE_HELP = "cpu (gloo) or cuda (NCCL, needs two GPUs) (default: cpu)"
+
+
 def main(argv=None) -> int:
     """Parse ``argv``, run, write DIR/NAME.json, print the table.
 
@@ -527,14 +529,7 @@ def main(argv=None) -> int:
         MissingDependencyError: transformers (which generates the checkpoint) is missing; checked first.
         AssertionError: an update did not produce the trainer's weights bit for bit.
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m layerwise.benchmarks.weight_transfer",
-        description=__doc__,
-        epilog=RESULTS_NOTE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
-    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, needs two GPUs) (default: cpu)")
+    parser = benchmark_parser("python -m layerwise.benchmarks.weight_transfer", __doc__, DEVICE_HELP)
     parser.add_argument("--repeats", type=positive_int, default=3, help="best of this many runs (default: 3)")
     parser.add_argument(
         "--bucket-mib",
