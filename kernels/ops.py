@@ -19,7 +19,8 @@ from layerwise.kernels.reference import FP8_DTYPE, scale_shape
 
 def _use_op(*tensors: torch.Tensor) -> bool:
     """Whether to go through the registered custom op: while compiling, or for tensor subclasses."""
-    return torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors)
+    # an nn.Parameter is a plain tensor here (the forward passes layer.weight); other subclasses take the op
+    return torch.compiler.is_compiling() or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 @torch.library.custom_op("layerwise::fp8_amax_triton", mutates_args=())

@@ -93,7 +93,8 @@ def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
         w: floating tensor (bf16, fp16, fp32); 2-D [N, K] for "channel" and "block".
     Returns:
         float32 tensor on w's device; NaN/Inf in a group gives a non-finite entry.
-    Per-tensor uses ``aminmax``; per-channel and per-block reduce float32 row chunks (<= 1 MiB).
+    Per-tensor uses ``aminmax``; per-channel and per-block reduce float32 row chunks of large 16-bit weights
+    (<= 1 MiB, but at least 128 rows for per-block: 128 * K * 4 bytes, 7 MiB at K = 14336).
     """
     shape = scale_shape(w.shape, granularity)
     if w.numel() == 0:
@@ -126,7 +127,7 @@ def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
 
 def _amax_widened(w: torch.Tensor, granularity: str, out: torch.Tensor) -> torch.Tensor:
     """Per-channel / per-block amax of a large 16-bit ``w`` into ``out``, each row chunk widened into one
-    reused float32 buffer (<= 1 MiB) and reduced there: torch's CPU reductions along a dim are 5-30x slower
+    reused float32 buffer (1 MiB; per-block at least 128 rows) and reduced there: torch's CPU reductions along a dim are 5-30x slower
     on bf16 than on float32 (8192 x 4096 bf16, one thread: per-channel 106 -> 16 ms, per-block 55 -> 16 ms).
     |x| in place; amax keeps NaN (and Inf) in its group."""
     n, k = w.shape

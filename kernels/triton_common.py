@@ -15,9 +15,11 @@ Portability rules, each learned from a failure (see tests/test_kernels_compile.p
   passed as their int16 bits and :func:`load_f32` widens them with a shift, exact everywhere.
 * A helper's branches return values of one type and shape (Triton unifies them; the interpreter
   does not check).
-* No Python ``range`` over a runtime integer: older interpreters (Triton 3.4-3.6) pass integer
-  arguments as 1-element arrays that ``range`` cannot take. Kernels loop over nothing; a reduction
-  that spans tiles writes per-tile partials and finishes in torch.
+* No Python ``range`` over a runtime integer in the load-time kernels (fp8_tiles): older interpreters
+  (Triton 3.4-3.6) pass integer arguments as 1-element arrays that ``range`` cannot take; a reduction
+  that spans tiles writes per-tile partials and finishes in torch. The forward kernels (fp8_act,
+  fp8_gemm) loop over K, so interpreting them (CPU tests, ``kernel="triton"`` on CPU) needs Triton 3.7+;
+  compiled, they run on 3.6 (the H100's CUDA tests passed).
 * One launch axis: the grid is 1-D (axis 0 allows 2^31 - 1 programs; axes 1 and 2 only 65535),
   and element offsets are int64, so tensors of 2^31 elements or more (a 131072 x 16384
   embedding, a fused-expert weight) work.

@@ -115,7 +115,9 @@ def stream_weights(
         try:
             model.load_weights([(key, tensor)])
         except LayerwiseError as e:
-            e.add_context(key=key, file=file_of(key) if file_of else None)
+            # the error may name another key than the one whose load completed the module (the tensor
+            # holding a NaN, say): the file is that key's
+            e.add_context(key=key, file=file_of(e.key or key) if file_of else None)
             raise
         if on_tensor is not None:
             on_tensor(key)

@@ -123,8 +123,11 @@ class FusedMoEMethodBase:
     def apply_gathered(
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Same result as :meth:`apply` (up to the order of the k-sum) without reading ids on the host:
-        the k chosen experts' weights of every token are gathered ([T*k, N, K] each) and multiplied
+        """:meth:`apply` without reading ids on the host (for CUDA-graph capture). Not bit-equal to it: the
+        k-sum runs in another order, and for FP8 this path is W8A16 on the gathered experts, where the eager
+        path may run W8A8 (activation quantization error). It also holds T * k experts' weights at once:
+        fine for decode batches of small models, too much for Mixtral-8x7B at batch 8 (a known limit).
+        The k chosen experts' weights of every token are gathered ([T*k, N, K] each) and multiplied
         batched. Shapes as in :meth:`apply`."""
         t, k = topk_ids.shape
         ids = topk_ids.reshape(-1)

@@ -25,3 +25,20 @@ def test_load_and_reload_import_no_compiler_stack(tmp_path, scheme):
         [sys.executable, "-c", SCRIPT, str(path), scheme], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     assert "HEAVY=\n" in out, out
+
+
+def test_triton_ops_on_parameters_stay_eager():
+    # the forward passes layer.weight (an nn.Parameter): the eager path, not the custom op, whose first
+    # call imports torch._dynamo
+    script = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from torch import nn
+from layerwise.kernels import fp8_dequantize, fp8_quantize_weight
+q, s = fp8_quantize_weight(torch.randn(32, 64).bfloat16(), "channel", "torch")
+fp8_dequantize(nn.Parameter(q, requires_grad=False), nn.Parameter(s, requires_grad=False), torch.bfloat16, "triton")
+print("DYNAMO=" + str("torch._dynamo" in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "DYNAMO=False" in out, out

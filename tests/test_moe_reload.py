@@ -278,3 +278,22 @@ def test_engine_generates_and_reloads(pair):
     after = engine.generate(prompts, 6)
     assert after == Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, quantization="fp8").generate(prompts, 6)
     assert after != before
+
+
+def test_a_failure_inside_the_first_expert_reports_the_layer(pair, monkeypatch):
+    # the first expert unit of the layer fails after writing part of its FP8 slice: nothing counts as done,
+    # but the live tensors changed, so a non-atomic reload must report the layer
+    arch, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8")
+    from layerwise.errors import LayerwiseError
+    from layerwise.quant.fp8_moe import Fp8MoEMethod
+
+    def half_written(self, layer, param_name, expert_id, weight, kernel_tensors):
+        kernel_tensors[param_name].data[expert_id, :1].zero_()
+        raise LayerwiseError("failed mid-expert")
+
+    monkeypatch.setattr(Fp8MoEMethod, "process_expert", half_written)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, [(k, t) for k, t in Checkpoint(b) if ".experts." in k])
+    first_moe_layer = 1 if arch == "Qwen3MoeForCausalLM" else 0  # the Qwen3-MoE checkpoint's layer 0 is dense
+    assert e.value.updated_modules == [f"model.layers.{first_moe_layer}.{MOE_NAMES[arch][0]}.experts"]

@@ -271,9 +271,11 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
     as_param = weight.unsqueeze(0).expand(meta.shape)
     for buffered in state.loaded_weights:
         info.weight_loaders[param_name](as_param, buffered.loaded_weight, buffered.shard_id)
+    started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
     try:
         module.quant_method.process_expert(module, param_name, index, weight, targets)
-    except NonFiniteWeightError as e:
+    except NonFiniteWeightError as e:  # raised by the scale, before any write
+        info.units_started = started_before
         raise NonFiniteWeightError(
             f"non-finite value (NaN or Inf) in {_unit_name(info, unit)}: {e.message}",
             key=_find_non_finite_key(state.loaded_weights),
@@ -431,7 +433,7 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     for prefix, module in session.modules.items():
         info = get_layerwise_info(module)
         if info.kernel_tensors:
-            if (info.done or info.units_done) and not session.atomic:  # units: written into the kernel tensors
+            if (info.done or info.units_started) and not session.atomic:  # units: written into the kernel tensors
                 updated.append(prefix)
             set_layer_tensors(module, info.kernel_tensors)
         _close(info)

@@ -66,6 +66,8 @@ class LayerReloadingInfo:
         unit_targets: the kernel-format tensors the units are processed into, set at the first unit:
             fresh on a first load, the kernel tensors themselves on a reload, a staged copy when atomic.
         units_done: units processed in this session; the module is done at ``units_total``.
+        units_started: a unit's processing began in this session: its kernel tensors may be partly
+            overwritten even if that unit failed (a non-atomic reload reports the module as updated).
     """
 
     prefix: str
@@ -82,6 +84,7 @@ class LayerReloadingInfo:
     units: dict[Hashable, UnitState] = field(default_factory=dict)
     unit_targets: dict[str, torch.Tensor] = field(default_factory=dict)
     units_done: int = 0
+    units_started: bool = False
     units_total: int = 0
     session: ReloadSession | None = None
 
@@ -95,6 +98,7 @@ class LayerReloadingInfo:
         self.units = {}
         self.unit_targets = {}
         self.units_done = 0
+        self.units_started = False
 
 
 @dataclass
