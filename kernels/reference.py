@@ -127,9 +127,9 @@ def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
 
 def _amax_widened(w: torch.Tensor, granularity: str, out: torch.Tensor) -> torch.Tensor:
     """Per-channel / per-block amax of a large 16-bit ``w`` into ``out``, each row chunk widened into one
-    reused float32 buffer (1 MiB; per-block at least 128 rows) and reduced there: torch's CPU reductions along a dim are 5-30x slower
-    on bf16 than on float32 (8192 x 4096 bf16, one thread: per-channel 106 -> 16 ms, per-block 55 -> 16 ms).
-    |x| in place; amax keeps NaN (and Inf) in its group."""
+    reused float32 buffer (1 MiB; per-block at least 128 rows) and reduced there: torch's CPU reductions
+    along a dim are 5-30x slower on bf16 than on float32 (8192 x 4096 bf16, one thread: per-channel
+    106 -> 16 ms, per-block 55 -> 16 ms). |x| in place; amax keeps NaN (and Inf) in its group."""
     n, k = w.shape
     if granularity == "channel":
         buf = torch.empty(min(CHUNK_NUMEL, w.numel()), dtype=torch.float32, device=w.device)
