@@ -129,9 +129,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """x + attn(norm(x)), then h + mlp(norm(h))."""
+    """x + attn(norm(x)), then h + mlp(norm(h)).
+
+    Subclasses change the feed-forward block through :meth:`make_mlp` and its checkpoint name through
+    ``mlp_name`` (Mixtral: "block_sparse_moe"); the module is registered under that name, which the
+    checkpoint keys route through.
+    """
 
     attention_cls = LlamaAttention
+    mlp_name = "mlp"
 
     def __init__(
         self,
@@ -147,11 +153,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.self_attn = self.attention_cls(config, quant_config, dtype, device, f"{prefix}.self_attn", tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
-        self.mlp = LlamaMLP(config, quant_config, dtype, f"{prefix}.mlp", tp=tp)
+        self.add_module(self.mlp_name, self.make_mlp(config, quant_config, dtype, f"{prefix}.{self.mlp_name}", tp))
+
+    def make_mlp(
+        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, tp: TPContext
+    ) -> nn.Module:
+        """The feed-forward block at ``prefix``: [..., H] -> [..., H] (Llama: the gated SiLU MLP)."""
+        return LlamaMLP(config, quant_config, dtype, prefix, tp=tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None) -> torch.Tensor:
         h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self._modules[self.mlp_name](self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):

@@ -11,9 +11,10 @@ renormalized, weights kept in float32. Sliding-window attention when config.json
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from layerwise.config import ModelConfig
-from layerwise.distributed import NO_TP, TPContext
+from layerwise.distributed import TPContext
 from layerwise.layers.fused_moe import MIXTRAL_EXPERT_SHARDS
 from layerwise.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from layerwise.models.mistral import MistralAttention
@@ -25,33 +26,22 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     """x + attn(norm(x)), then h + block_sparse_moe(norm(h))."""
 
     attention_cls = MistralAttention
+    mlp_name = "block_sparse_moe"  # the checkpoint's name for the feed-forward block
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        quant_config: QuantConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        prefix: str,
-        *,
-        tp: TPContext = NO_TP,
-    ):
-        super().__init__(config, quant_config, dtype, device, prefix, tp=tp)
-        del self.mlp  # the dense MLP Llama builds (on meta); Mixtral's checkpoint names the block differently
-        self.block_sparse_moe = sparse_moe_block(
+    def make_mlp(
+        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, tp: TPContext
+    ) -> nn.Module:
+        """The sparse MoE block (router + fused experts) of every Mixtral layer."""
+        return sparse_moe_block(
             config,
             quant_config,
             dtype,
-            f"{prefix}.block_sparse_moe",
+            prefix,
             renormalize=True,
             scores_in_logits_dtype=False,
             expert_shards=MIXTRAL_EXPERT_SHARDS,
             tp=tp,
         )
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
-        return h + self.block_sparse_moe(self.post_attention_layernorm(h))
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -12,9 +12,10 @@ activation dtype (transformers' ``Qwen3MoeTopKRouter``). Sliding-window attentio
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from layerwise.config import ModelConfig
-from layerwise.distributed import NO_TP, TPContext
+from layerwise.distributed import TPContext
 from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, SparseMoeBlock
 from layerwise.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from layerwise.models.qwen3 import Qwen3Attention
@@ -65,28 +66,22 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
     attention_cls = Qwen3MoeAttention
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        quant_config: QuantConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        prefix: str,
-        *,
-        tp: TPContext = NO_TP,
-    ):
-        super().__init__(config, quant_config, dtype, device, prefix, tp=tp)  # builds the dense MLP (on meta)
-        if config.is_moe_layer(int(prefix.rsplit(".", 1)[1])):
-            self.mlp = sparse_moe_block(
-                config,
-                quant_config,
-                dtype,
-                f"{prefix}.mlp",
-                renormalize=config.norm_topk_prob,
-                scores_in_logits_dtype=True,
-                expert_shards=QWEN_EXPERT_SHARDS,
-                tp=tp,
-            )
+    def make_mlp(
+        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, tp: TPContext
+    ) -> nn.Module:
+        """The sparse MoE block, or Qwen3's dense MLP where the config makes layer ``prefix`` dense."""
+        if not config.is_moe_layer(int(prefix.split(".")[-2])):  # prefix: "model.layers.<i>.mlp"
+            return super().make_mlp(config, quant_config, dtype, prefix, tp)
+        return sparse_moe_block(
+            config,
+            quant_config,
+            dtype,
+            prefix,
+            renormalize=config.norm_topk_prob,
+            scores_in_logits_dtype=True,
+            expert_shards=QWEN_EXPERT_SHARDS,
+            tp=tp,
+        )
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
