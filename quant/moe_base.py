@@ -10,12 +10,16 @@ A method owns, for a ``FusedMoE`` layer (``layerwise/layers/fused_moe.py``):
   checkpoint dtype (the 1.5x peak that vLLM PR #39041 removed);
 * ``apply``: the forward over the experts the router chose.
 
-The forward loops over the experts that received tokens (transformers' and vLLM's reference
+The eager forward loops over the experts that received tokens (transformers' and vLLM's reference
 ``fused_moe`` loop): gather their tokens, ``down(silu(gate) * up)``, scale by the routing weight,
 add into the output rows. That loop reads the chosen expert ids on the host, which a CUDA graph
-cannot capture; while a graph is being captured (the Engine's decode step) the method computes the k
-chosen experts of every token from gathered weights instead (``apply_gathered``: no host sync, k x T
-experts' weights gathered, fine for decode batches, wasteful for long prefills).
+cannot capture. While a graph is being captured (the Engine's decode step) the method runs every
+expert instead (``apply_all_experts``): the same per-expert ``expert_linear`` calls on all T tokens,
+each expert's result masked to the tokens that chose it, so it needs no host sync and its temporaries
+are [T, 2I] and [T, H] activations (no expert weights are copied or gathered). Its cost is E expert
+GEMM pairs per layer and step instead of the ~T*k that eager runs: at decode batch sizes these are
+memory-bound reads of every expert's weight once, the bytes a fused MoE kernel reads as soon as
+T*k >= E; for long batches it computes E/k times the FLOPs, so it is the capture path, not the eager one.
 """
 
 from __future__ import annotations
@@ -95,20 +99,18 @@ class FusedMoEMethodBase:
         """x [M, K] @ W_e^T for expert ``expert_id``'s ``param_name`` -> [M, N] in x.dtype."""
         raise NotImplementedError
 
-    def gathered_weights(self, layer: nn.Module, param_name: str, ids: torch.Tensor, dtype: torch.dtype):
-        """The weights of experts ``ids`` (int64 [n]) as [n, N, K] in ``dtype`` (no host sync)."""
-        raise NotImplementedError
-
     def apply(
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H] -> [T, H] in x.dtype.
 
         Expert e: down(silu(gate(x)) * up(x)); the weighted result is cast to x.dtype and accumulated
-        into the output expert by expert, in increasing expert id, as transformers does.
+        into the output expert by expert, in increasing expert id, as transformers does. Eager: only the
+        experts that received tokens run, on their tokens (the expert ids are read on the host). While
+        the current CUDA stream is capturing a graph: :meth:`apply_all_experts` (no host sync).
         """
         if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return self.apply_gathered(layer, x, topk_weights, topk_ids)
+            return self.apply_all_experts(layer, x, topk_weights, topk_ids)
         out = torch.zeros_like(x)
         mask = F.one_hot(topk_ids, layer.num_experts).permute(2, 1, 0)  # [E, k, T]
         for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
@@ -120,23 +122,39 @@ class FusedMoEMethodBase:
             out.index_put_((tokens,), (y * topk_weights[tokens, pos, None]).to(out.dtype), accumulate=True)
         return out
 
-    def apply_gathered(
+    def apply_all_experts(
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """:meth:`apply` without reading ids on the host (for CUDA-graph capture). Not bit-equal to it: the
-        k-sum runs in another order, and for FP8 this path is W8A16 on the gathered experts, where the eager
-        path may run W8A8 (activation quantization error). It also holds T * k experts' weights at once:
-        fine for decode batches of small models, too much for Mixtral-8x7B at batch 8 (a known limit).
-        The k chosen experts' weights of every token are gathered ([T*k, N, K] each) and multiplied
-        batched. Shapes as in :meth:`apply`."""
-        t, k = topk_ids.shape
-        ids = topk_ids.reshape(-1)
-        w13 = self.gathered_weights(layer, "w13_weight", ids, x.dtype)  # [T*k, 2I, H]
-        w2 = self.gathered_weights(layer, "w2_weight", ids, x.dtype)  # [T*k, H, I]
-        xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, H]
-        gate, up = torch.bmm(xs, w13.transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[:, 0]  # [T*k, H]
-        return (y * topk_weights.reshape(-1, 1)).to(x.dtype).view(t, k, -1).sum(dim=1)
+        """:meth:`apply` without reading ids on the host, for CUDA-graph capture: every expert runs on all
+        T tokens, and its weighted result is added only where the token chose it.
+
+        Args / returns as :meth:`apply` (x [T, H]; topk_weights [T, k]; topk_ids int64 [T, k] -> [T, H]).
+        Expert e runs the eager path's ``expert_linear`` calls (w13, silu(gate) * up, w2) on all of x, then
+        ``out += where(chose_e, y_e * weight_e, 0).to(x.dtype)`` in increasing e: a token's additions are
+        eager's, in eager's order, and every other expert adds an exact zero (its NaN or Inf, if any,
+        cannot reach the output). Equal to :meth:`apply` where the GEMMs give each
+        row the same result whatever the row count (measured on CPU: tests/test_moe_capture_path.py).
+        FP8 W8A8 quantizes activations over the rows it is given: per-token scales see the same row,
+        a per-tensor scale sees all T rows here (the expert's rows only in eager), so per-tensor W8A8
+        differs from eager by the coarser activation scale.
+
+        Cost: E expert GEMM pairs per layer instead of the ~T*k of eager; at decode batches each reads
+        every expert's weight once (memory-bound; the bytes a fused MoE kernel reads once T*k >= E), for
+        large T it does E/k times eager's FLOPs. Memory: [T, 2I] and [T, H] temporaries per expert (and,
+        where the scheme's forward dequantizes, one expert's weight, as in eager), nothing proportional to
+        T*k experts. It replaces a path that gathered the k experts of every token as [T*k, N, K] weights.
+        """
+        t, num_experts = x.shape[0], layer.num_experts
+        # dense routing, [T, E]: the token's weight where it chose the expert, and the choice itself (the mask is
+        # the choice, not weight != 0, so a chosen expert whose weight underflowed to 0 adds y * 0 as in eager)
+        dense_weights = topk_weights.new_zeros(t, num_experts).scatter_(1, topk_ids, topk_weights)
+        chose = torch.zeros(t, num_experts, dtype=torch.bool, device=x.device).scatter_(1, topk_ids, True)
+        out = torch.zeros_like(x)
+        for e in range(num_experts):
+            gate, up = self.expert_linear(layer, "w13_weight", e, x).chunk(2, dim=-1)  # [T, I] each
+            y = self.expert_linear(layer, "w2_weight", e, F.silu(gate) * up)  # [T, H]
+            out += torch.where(chose[:, e, None], y * dense_weights[:, e, None], 0.0).to(out.dtype)
+        return out
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
@@ -158,6 +176,3 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def expert_linear(self, layer, param_name, expert_id, x):
         return F.linear(x, getattr(layer, param_name)[expert_id])
-
-    def gathered_weights(self, layer, param_name, ids, dtype):
-        return getattr(layer, param_name)[ids].to(dtype)
