@@ -51,18 +51,18 @@ def build_experts(method, dtype, seed=0, hidden=H, inter=INTER, num_experts=E):
     return experts
 
 
-def routing(tokens, weights_dtype, seed=1, num_experts=E, exclude=()):
+def routing(tokens, weights_dtype, seed=1, num_experts=E, exclude=(), top_k=TOP_K):
     """(topk_weights [T, k] in weights_dtype, topk_ids int64 [T, k]) as select_experts makes them: top-k of a
     softmax, renormalized; experts in ``exclude`` are never chosen."""
     logits = torch.randn(tokens, num_experts, generator=torch.Generator().manual_seed(seed))
     logits[:, list(exclude)] = -float("inf")
-    weights, ids = torch.topk(torch.softmax(logits, dim=-1), TOP_K, dim=-1)
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
     return (weights / weights.sum(-1, keepdim=True)).to(weights_dtype), ids
 
 
-def both_paths(method, experts, tokens, dtype, weights_dtype, seed=2):
+def both_paths(method, experts, tokens, dtype, weights_dtype, seed=2, top_k=TOP_K):
     x = torch.randn(tokens, experts.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    weights, ids = routing(tokens, weights_dtype, num_experts=experts.num_experts)
+    weights, ids = routing(tokens, weights_dtype, num_experts=experts.num_experts, top_k=top_k)
     with torch.no_grad():
         return method.apply(experts, x, weights, ids), method.apply_all_experts(experts, x, weights, ids)
 
@@ -79,6 +79,16 @@ def test_unquantized_bf16_is_bit_equal_to_eager(tokens, weights_dtype):
     method = UnquantizedFusedMoEMethod()
     eager, dense = both_paths(method, build_experts(method, torch.bfloat16), tokens, torch.bfloat16, weights_dtype)
     assert dense.dtype == torch.bfloat16
+    assert torch.equal(dense, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_accumulation_order_is_eagers_with_four_experts_per_token(dtype):
+    """With k = 2 the order cannot show (0 + a + b == 0 + b + a); with k = 4 a token's sum rounds differently in
+    another expert order, so this pins increasing expert id with a cast to x.dtype per expert."""
+    method = RowwiseMethod()
+    experts = build_experts(method, dtype)
+    eager, dense = both_paths(method, experts, 16, dtype, torch.float32, top_k=4)
     assert torch.equal(dense, eager)
 
 
