@@ -109,20 +109,33 @@ def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
     # small or float32: reduce w itself (no float32 copy, so an MoE expert's tile adds no buffer)
     if granularity == "channel":
         for r0, r1 in _row_chunks(n, k):
-            lo, hi = torch.aminmax(w[r0:r1], dim=1)
-            out[r0:r1, 0] = torch.maximum(hi.float(), -lo.float())
+            rows = w[r0:r1]  # amax and amin: torch.aminmax along a dim is 10-20x slower on CPU
+            out[r0:r1, 0] = torch.maximum(rows.amax(dim=1).float(), -rows.amin(dim=1).float())
         return out
-    bn, bk = BLOCK_SIZE
-    kb = out.shape[1]
+    bn = BLOCK_SIZE[0]
     for r0, r1 in _row_chunks(n, k, align=bn):
-        chunk = w[r0:r1]
-        rows = r1 - r0
-        if k % bk or rows % bn:  # ragged edge: pad with zeros (in w's dtype; zeros never win a max of |w|)
-            chunk = F.pad(chunk, (0, kb * bk - k, 0, -rows % bn))
-        blocks = chunk.reshape(-(-rows // bn), bn, kb, bk)
-        hi, lo = torch.amax(blocks, dim=(1, 3)), torch.amin(blocks, dim=(1, 3))  # no |w| temporary
-        out[r0 // bn : (r1 + bn - 1) // bn] = torch.maximum(hi.float(), -lo.float())
+        _block_amax(w[r0:r1], out[r0 // bn : (r1 + bn - 1) // bn])
     return out
+
+
+def _block_amax(w: torch.Tensor, out: torch.Tensor) -> None:
+    """Per-128x128-block amax of ``w`` [rows, K] (any float dtype) into ``out`` float32 [ceil(rows/128),
+    ceil(K/128)], on views of ``w``: the whole blocks as [row blocks, 128, K // 128, 128], the ragged last
+    column block and the ragged last row block (if any) apart, so nothing is padded or copied."""
+    rows, k = w.shape
+    bn, bk = BLOCK_SIZE
+    full_rows, full_cols = rows // bn * bn, k // bk * bk
+    for ra, rb in ((0, full_rows), (full_rows, rows)):
+        if rb == ra:
+            continue
+        height = bn if rb - ra >= bn else rb - ra  # the ragged last row block is one block of fewer rows
+        part, dst = w[ra:rb], out[ra // bn : -(-rb // bn)]
+        for ca, cb, width in ((0, full_cols, bk), (full_cols, k, k - full_cols)):
+            if cb == ca:
+                continue
+            blocks = part[:, ca:cb].reshape((rb - ra) // height, height, (cb - ca) // width, width)  # a view
+            hi, lo = torch.amax(blocks, dim=(1, 3)), torch.amin(blocks, dim=(1, 3))  # no |w| temporary
+            dst[:, ca // bk : -(-cb // bk)] = torch.maximum(hi.float(), -lo.float())
 
 
 def _amax_widened(w: torch.Tensor, granularity: str, out: torch.Tensor) -> torch.Tensor:
@@ -256,38 +269,61 @@ def quantize(
     n, k = src.shape
     # One float32 work buffer, reused: w is never written, even when it is float32 already.
     buf = torch.empty(min(CHUNK_NUMEL, src.numel()), dtype=torch.float32, device=w.device)
-
-    def divide(tmp: torch.Tensor, part: torch.Tensor, divisor: torch.Tensor) -> None:
-        # widen, then divide in place: a mixed-dtype torch.div(bf16, f32, out=f32) is 4-16x slower on CPU
-        # (an 8192 x 4096 bf16 weight, per tensor: 763 ms vs 46 ms; clone 56 ms)
-        tmp.copy_(part)
-        tmp.div_(divisor)
-
     if granularity == "tensor":  # one long row: chunk along it
         for c0 in range(0, k, CHUNK_NUMEL):
             c1 = min(c0 + CHUNK_NUMEL, k)
             tmp = buf[: c1 - c0].view(1, -1)
-            divide(tmp, src[:, c0:c1], scale.reshape(1))
-            if not within_range:
-                tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-            dst[:, c0:c1].copy_(tmp)
+            # widen, then divide in place: a mixed-dtype torch.div(bf16, f32, out=f32) is 4-16x slower on CPU
+            # (an 8192 x 4096 bf16 weight, per tensor: 763 ms vs 46 ms; clone 56 ms)
+            tmp.copy_(src[:, c0:c1])
+            quantize_widened(tmp, scale, dst[:, c0:c1], within_range=within_range)
         return out
-    bk = BLOCK_SIZE[1]
     for r0, r1 in _row_chunks(n, k):
         tmp = buf[: (r1 - r0) * k].view(r1 - r0, k)
-        if granularity == "channel":
-            divide(tmp, src[r0:r1], scale[r0:r1])
-        else:  # the chunk seen as [rows, K / 128, 128] blocks, divided by a broadcast [rows, K / 128, 1] scale
-            scale_rows = _expand_rows(scale, "block_rows", r0, r1, k)  # [rows, ceil(K / 128)]
-            tmp.copy_(src[r0:r1])
-            full = k // bk
-            if full:
-                tmp[:, : full * bk].view(r1 - r0, full, bk).div_(scale_rows[:, :full, None])
-            if k % bk:  # the ragged last block
-                tmp[:, full * bk :].div_(scale_rows[:, full:])
-        if not within_range:
-            tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-        dst[r0:r1].copy_(tmp)
+        tmp.copy_(src[r0:r1])
+        quantize_widened(tmp, _scale_rows(scale, granularity, r0, r1), dst[r0:r1], within_range=within_range)
+    return out
+
+
+def _scale_rows(scale: torch.Tensor, granularity: str, r0: int, r1: int) -> torch.Tensor:
+    """The rows of a per-channel ([N, 1]) or per-block ([ceil(N/128), ceil(K/128)]) scale that rows [r0, r1)
+    of the weight use, in the layout :func:`quantize_widened` takes; a per-tensor scale unchanged."""
+    if granularity == "tensor":
+        return scale
+    if granularity == "channel":
+        return scale[r0:r1]
+    return _expand_rows(scale, "block_rows", r0, r1, 0)  # [rows, ceil(K / 128)]
+
+
+def quantize_widened(
+    tmp: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, within_range: bool = False
+) -> torch.Tensor:
+    """The divide-clamp-cast half of :func:`quantize`, on a weight already widened to float32.
+
+    Args:
+        tmp: float32 [rows, K] (or [1, numel] per tensor) holding float32(w); OVERWRITTEN (divided in place).
+        scale: float32; 1 element (per tensor), [rows, 1] (per channel), or [rows, ceil(K/128)] (per block,
+            one row per weight row: the block scales expanded along rows only).
+        out: float8_e4m3fn of tmp's shape, written.
+        within_range: as in :func:`quantize` (skip the clamp).
+    Returns:
+        ``out``. Its bytes equal :func:`quantize` of the unwidened weight with the same scales.
+    """
+    rows, k = tmp.shape
+    if scale.numel() == 1:
+        tmp.div_(scale.float().reshape(1))
+    elif scale.shape[1] == 1:  # per channel, or per block with a single column of blocks
+        tmp.div_(scale[:, :1])
+    else:  # [rows, K / 128, 128] blocks divided by a broadcast [rows, K / 128, 1] scale
+        bk = BLOCK_SIZE[1]
+        full = k // bk
+        if full:
+            tmp[:, : full * bk].view(rows, full, bk).div_(scale[:, :full, None])
+        if k % bk:  # the ragged last block
+            tmp[:, full * bk :].div_(scale[:, full:])
+    if not within_range:
+        tmp.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    out.copy_(tmp)
     return out
 
 

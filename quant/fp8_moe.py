@@ -25,7 +25,8 @@ temporary besides the scales.
 Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
 the expert's slice: W8A8 (``torch._scaled_mm``, activations quantized per tensor or per token) where
 the dense scheme would use it (mode "auto": CUDA sm89+; "w8a8": also CPU), else W8A16 (dequantize the
-expert, then matmul). Under CUDA-graph capture, W8A16 on gathered experts (``moe_base``).
+expert, then matmul). Under CUDA-graph capture the same per-expert forward runs for every expert on all
+tokens, masked by the routing (``moe_base`` ``apply_all_experts``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, fp8_amax, fp8_quantize, scale_from_amax
-from layerwise.kernels.reference import quantize
+from layerwise.kernels.reference import amax, quantize_widened
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
 
@@ -108,23 +109,53 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         Raises:
             NonFiniteWeightError: ``weight`` holds NaN or Inf (raised by the scale, before any write).
         """
-        g, n, k = self.granularity, *weight.shape
+        q = kernel_tensors[param_name].data[expert_id]
+        if self.kernel == "torch":
+            scale = self._quantize_expert_reference(weight, q)
+        else:
+            scale = self._quantize_expert_kernels(weight, q)
+        kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
+
+    def _quantize_expert_reference(self, weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """The torch reference: the whole expert's amax first (``amax``: no float32 copy of the expert, at
+        most a 1 MiB chunk of one; raises before any write), then tile by tile (1/8 of the expert) widen into
+        one reused float32 work buffer (a quarter of the expert's BF16 bytes), divide and cast into the FP8
+        slice. Returns the expert's scale ([] / [N, 1] / [ceil(N/128), ceil(K/128)], float32)."""
+        g, (n, k) = self.granularity, weight.shape
         align = BLOCK_SIZE[0] if g == "block" else 1
-        # torch: tiles of about 1/8 of the expert bound the reference's float32 work buffer (and its zero
-        # padding of ragged blocks); triton has neither, so 2 tiles (fewer launches) bound its FP8 output
-        tiles = expert_tiles(n, k, align, parts=8 if self.kernel == "torch" else 2)
-        # amax tile by tile (max is exact, so the scale is the whole matrix's)
-        amax = torch.zeros(expert_scale_shape(1, n, k, g)[1:], dtype=torch.float32, device=weight.device)
+        scale = scale_from_amax(amax(weight, g))  # raises NonFiniteWeightError before any write
+        tiles = expert_tiles(n, k, align, parts=8)
+        numel = max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in tiles)
+        work = torch.empty(numel, dtype=torch.float32, device=weight.device)
+        for r0, r1, c0, c1 in tiles:
+            tmp = work[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+            tmp.copy_(weight[r0:r1, c0:c1])
+            if g == "tensor":
+                tile_scale = scale
+            elif g == "channel":
+                tile_scale = scale[r0:r1]
+            else:  # the tile's blocks, expanded along rows: [r1 - r0, its column blocks]
+                blocks = scale[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)]
+                tile_scale = blocks.repeat_interleave(align, dim=0)[: r1 - r0]
+            quantize_widened(tmp, tile_scale, q[r0:r1, c0:c1], within_range=True)
+        return scale
+
+    def _quantize_expert_kernels(self, weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """The scheme's kernel (Triton) in 2 tiles: the amax of every tile first (max is exact, so the scale
+        is the whole matrix's; raises before any write), then the quantization tile by tile."""
+        g, (n, k) = self.granularity, weight.shape
+        align = BLOCK_SIZE[0] if g == "block" else 1
+        tiles = expert_tiles(n, k, align, parts=2)
+        amax_all = torch.zeros(expert_scale_shape(1, n, k, g)[1:], dtype=torch.float32, device=weight.device)
         for r0, r1, c0, c1 in tiles:
             a = fp8_amax(weight[r0:r1, c0:c1], g, self.kernel)
             if g == "tensor":
-                amax = torch.maximum(amax, a)  # NaN propagates
+                amax_all = torch.maximum(amax_all, a)  # NaN propagates
             elif g == "channel":
-                amax[r0:r1] = torch.maximum(amax[r0:r1], a)
+                amax_all[r0:r1] = torch.maximum(amax_all[r0:r1], a)
             else:
-                amax[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)] = a
-        scale = scale_from_amax(amax)  # [] / [N, 1] / [ceil(N/128), ceil(K/128)]; raises before any write
-        q = kernel_tensors[param_name].data[expert_id]
+                amax_all[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)] = a
+        scale = scale_from_amax(amax_all)
         for r0, r1, c0, c1 in tiles:
             if g == "tensor":
                 tile_scale = scale
@@ -132,12 +163,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                 tile_scale = scale[r0:r1]
             else:
                 tile_scale = scale[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)]
-            tile = q[r0:r1, c0:c1]
-            if self.kernel == "torch" and tile.is_contiguous():  # the reference writes into the slice itself
-                quantize(weight[r0:r1, c0:c1], tile_scale, out=tile)
-            else:
-                tile.copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
-        kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
+            q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
+        return scale
 
     def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:
         scale = getattr(layer, self.scale_names[param_name])
@@ -154,17 +181,6 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             **{dense.scale_name: self._expert_scale(layer, param_name, expert_id)},
         )
         return dense.apply(expert, x, None)
-
-    def gathered_weights(self, layer, param_name, ids, dtype):
-        q = getattr(layer, param_name)[ids].to(torch.float32)  # [n, N, K]
-        scale = getattr(layer, self.scale_names[param_name])[ids]
-        if self.granularity == "tensor":
-            return (q * scale[:, None, None]).to(dtype)
-        if self.granularity == "channel":
-            return (q * scale).to(dtype)
-        n, k = q.shape[1:]
-        full = scale.repeat_interleave(BLOCK_SIZE[0], dim=1)[:, :n].repeat_interleave(BLOCK_SIZE[1], dim=2)
-        return (q * full[:, :, :k]).to(dtype)
 
 
 def moe_method_for(scheme: str, kernel: str = "torch", fp8_mode: str = "auto") -> FusedMoEMethodBase:

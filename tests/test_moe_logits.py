@@ -108,8 +108,8 @@ def test_w8a8_on_cpu_close_to_transformers(moe_checkpoint):
 
 
 @pytest.mark.parametrize("scheme", ["none"] + SCHEMES)
-def test_gathered_forward_equals_the_expert_loop(scheme):
-    """The CUDA-graph path (no host sync: every token's k experts gathered) computes what the loop computes;
+def test_capture_path_equals_the_expert_loop(scheme):
+    """The CUDA-graph path (no host sync: every expert on every token, masked) computes what the loop computes;
     the layer is built on the CPU and processed whole (process_weights_after_loading)."""
     from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, FusedMoE
 
@@ -127,8 +127,9 @@ def test_gathered_forward_equals_the_expert_loop(scheme):
     weights = torch.softmax(torch.randn(10, 2, generator=gen), dim=-1)
     ids = torch.tensor([[0, 3], [3, 0], [7, 1], [2, 5], [5, 2], [1, 6], [6, 4], [4, 7], [0, 1], [3, 4]])
     loop = experts(x, weights, ids)
-    gathered = method.apply_gathered(experts, x, weights, ids)
-    torch.testing.assert_close(gathered, loop, rtol=1e-5, atol=1e-6)
+    dense = method.apply_all_experts(experts, x, weights, ids)
+    # float32: a GEMM row's bits depend on the row count (tests/test_moe_capture_path.py), so a few ulps
+    torch.testing.assert_close(dense, loop, rtol=1e-6, atol=1e-6)
     if scheme != "none":  # the whole-layer path quantizes each expert as torch's own cast does
         q, _ = torch_fp8_reference(w2[5], scheme.rsplit("-", 1)[1])
         assert torch.equal(as_bytes(experts.w2_weight[5]), as_bytes(q))

@@ -265,7 +265,11 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
         raise MissingWeightError(f"incomplete unit {_unit_name(info, unit)} ({unwritten} elements)", key=key)
     targets = _unit_targets(module, info)
     meta = info.restore_metadata[param_name]
-    weight = torch.empty(meta.shape[1:], dtype=meta.dtype, device=session.device)
+    unit_meta = torch.empty(meta.shape[1:], dtype=meta.dtype, device="meta")
+    if session.staging is not None:  # CPU: the unit reuses the staging buffer's touched memory
+        weight = session.staging.tensors({param_name: unit_meta})[param_name]
+    else:
+        weight = torch.empty_like(unit_meta, device=session.device)
     # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
     # own loader, which writes only param[index] (checked above on meta), fills it
     as_param = weight.unsqueeze(0).expand(meta.shape)
