@@ -18,7 +18,11 @@ Per method: peak and final bytes, peak / final, seconds and seconds / floor; for
 largest processing unit (one expert's fused gate+up in BF16) per layer, from its LoadReport. Targets
 (issue 13): peak / final <= 1.05 and load <= 1.5x floor for the layerwise methods.
 
-    python -m layerwise.benchmarks.moe_load [--size cpu|gpu] [--device cpu|cuda] [--threads N] [--out-dir DIR]
+    python -m layerwise.benchmarks.moe_load [--size SIZE] [--device cpu|cuda] [--threads N] [--out-dir DIR]
+
+Sizes: "cpu" (hidden 512, moe_intermediate 192: experts of 1/16 the real size, so the per-expert fixed costs
+weigh 16x more than on the real model), "cpu-full-experts" (the real expert shapes, 2 layers, 2.4 GB) and
+"gpu" (the real shapes, 4 layers).
 """
 
 from __future__ import annotations
@@ -55,6 +59,15 @@ SIZES = {
         num_key_value_heads=1,
         head_dim=64,
         vocab_size=4096,
+    ),
+    "cpu-full-experts": dict(  # Qwen3-30B-A3B's own expert and attention shapes, 2 layers: 2.4 GB of BF16
+        num_hidden_layers=2,
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=8192,
     ),
     "gpu": dict(  # about 5 GB of BF16: the whole run fits a 10-minute GPU job
         num_hidden_layers=4,
@@ -257,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     result["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     result["wall_seconds"] = time.perf_counter() - start
-    path = write_json(result, args.out_dir, args.name or f"moe_load_{args.device}")
+    default_name = f"moe_load_{args.device}" if args.size is None else f"moe_load_{args.device}_{size}"
+    path = write_json(result, args.out_dir, args.name or default_name)
     print(table(result))
     print(f"wrote {path}")
     return 0

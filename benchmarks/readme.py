@@ -417,6 +417,19 @@ def latest_results(results: Path) -> dict[tuple[str, str], tuple[str, dict]]:
     return {key: (stem, data) for key, (_, stem, data) in latest.items()}
 
 
+def _latest_per_size(results: Path, benchmark: str) -> list[dict]:
+    """The newest CPU results of ``benchmark`` for each checkpoint ``size`` it ran at, by size name."""
+    latest: dict = {}
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("benchmark") != benchmark or device_key(data) != "cpu":
+            continue
+        rank = (data.get("date") or "", path.stem)
+        if data.get("size") not in latest or rank > latest[data.get("size")][0]:
+            latest[data.get("size")] = (rank, data)
+    return [latest[size][1] for size in sorted(latest, key=str)]
+
+
 def _moe_load(ml: dict) -> str:
     """The MoE load table (benchmarks/moe_load.py): peak and final bytes, peak/final and time/floor per method."""
     c = ml["shape"]
@@ -435,7 +448,7 @@ def _moe_load(ml: dict) -> str:
     expert_kib = _f(ml["one_expert_bf16_bytes"] / 1024, ",.0f")
     layer_mib = _f(ml["whole_moe_layer_bf16_bytes"] / MIB, ",.1f")
     threads = ml.get("omp_num_threads")
-    return f"""### Mixture of experts load (CPU)
+    return f"""### Mixture of experts load (CPU, size {ml.get("size")})
 
 A Qwen3-30B-A3B-shaped checkpoint scaled down by `python -m layerwise.benchmarks.moe_load`: {c["num_experts"]} experts,
 top-{c["num_experts_per_tok"]}, {c["num_hidden_layers"]} layers, hidden {c["hidden_size"]}, moe_intermediate_size
@@ -557,8 +570,8 @@ def section(results: Path, readme: Path) -> str:
         _tp_load(data["tp_load"], pm),
         _quant_kernels(data["quant_kernels"], pm),
     ]
-    if ("moe_load", "cpu") in latest:
-        parts.append(_moe_load(latest[("moe_load", "cpu")][1]))
+    for ml in _latest_per_size(results, "moe_load"):
+        parts.append(_moe_load(ml))
     if ("suite", "cpu") in latest:
         parts.append(_targets(latest[("suite", "cpu")][1], "CPU"))
     for device in sorted({d for b, d in latest if d != "cpu" and b in GPU_BENCHMARKS}):
