@@ -75,17 +75,19 @@ def cached_attention(
     rows = torch.arange(b, device=q.device)[:, None].expand(b, t)
     k_cache.index_put_((rows, positions), k)
     v_cache.index_put_((rows, positions), v)
-    length = k_cache.shape[1]
+    length, hk = k_cache.shape[1], k_cache.shape[2]
+    groups = hq // hk
     mask = _visible(positions[:, :, None], torch.arange(length, device=q.device), sliding_window)  # [B, T, L]
-    groups = hq // k_cache.shape[2]
+    # Grouped-query heads folded into the query length: query head h = j * groups + g reads KV head j, so the
+    # groups * T queries of KV head j attend to its cached keys as one [groups * T, L] problem. The cache is
+    # read as it is, never repeated per query head (repeat_interleave copied the whole cache, every layer
+    # and step: ~L * Hq * D * 2 elements).
+    folded = q.view(b, t, hk, groups, d).permute(0, 2, 3, 1, 4).reshape(b, hk, groups * t, d)
+    folded_mask = mask[:, None].expand(b, groups, t, length).reshape(b, 1, groups * t, length)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        _expand_kv(k_cache.transpose(1, 2), groups),
-        _expand_kv(v_cache.transpose(1, 2), groups),
-        attn_mask=mask[:, None],
-        scale=scale,
-    )
-    return out.transpose(1, 2).reshape(b, t, hq * d)
+        folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=folded_mask, scale=scale
+    )  # [B, Hk, groups * T, D]
+    return out.view(b, hk, groups, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)
 
 
 def attention(
