@@ -322,7 +322,8 @@ def reload_weights(
         a :class:`ReloadReport`.
     Raises:
         ReloadError: the stream named an unknown tensor, a wrong shape, a non-finite value, a region
-            twice, or left a module incomplete. Raised before the affected module's kernel tensors
+            twice, or left a module incomplete, or it (or torch) raised another exception midway (an
+            OSError of a truncated file: then ``cause``). Raised before the affected module's kernel tensors
             are touched; ``updated_modules`` lists the modules already overwritten (none when
             ``atomic``), every other module holds its previous values, and the model stays usable.
             The original error is chained as ``__cause__`` and kept as ``cause``.
@@ -344,7 +345,7 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
         updated: list = []
         try:
             copy_kernel_tensors(model, stream, atomic, updated)
-        except LayerwiseError as e:
+        except Exception as e:  # a LayerwiseError, or an I/O or torch error midway: name what was overwritten
             raise ReloadError.wrap(e, [] if atomic else updated) from e
         return ReloadReport(updated, time.perf_counter() - start, 0)
     session = None
@@ -355,6 +356,10 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
         raise  # finalize already restored the model and listed the updated modules
     except LayerwiseError as e:
         raise ReloadError.wrap(e, session.updated_before_abort if session else []) from e
+    except Exception as e:  # an I/O or torch error midway: the session was aborted; name what it overwrote
+        if session is None:
+            raise  # the session never started (another one is open on the model): nothing was touched
+        raise ReloadError.wrap(e, session.updated_before_abort) from e
     return ReloadReport(list(session.processed), time.perf_counter() - start, session.peak_buffered_bytes)
 
 

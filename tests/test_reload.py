@@ -160,7 +160,12 @@ def _failing_stream(b, bad):
             yield key, tensor
 
 
+def _read_error(key, tensor):
+    raise OSError(f"truncated read of {key}")  # what a damaged file or a dropped network mount raises
+
+
 BAD = {
+    "stream raises": _read_error,
     "unknown name": lambda k, t: ("model.layers.2.mlp.up_projj.weight", t),
     "wrong shape": lambda k, t: (k, t[:-1]),
     "non-finite": lambda k, t: (k, torch.where(torch.arange(t.numel()).view(t.shape) == 5, float("nan"), t)),
@@ -190,6 +195,8 @@ def test_non_atomic_failure_lists_updated_modules_and_spares_the_rest(pair, kind
     assert "model.layers.1.mlp.gate_up_proj" in updated and "model.layers.0.self_attn.qkv_proj" in updated
     assert "model.layers.2.mlp.gate_up_proj" not in updated
     assert "modules already updated" in str(e.value) and "model.layers.2.mlp.up_proj" in str(e.value)
+    if kind == "stream raises":  # not a LayerwiseError: still a ReloadError, the OSError kept as its cause
+        assert isinstance(e.value.cause, OSError) and e.value.__cause__ is e.value.cause
     ref_a, ref_b = layerwise.load_model(a).state_dict(), layerwise.load_model(b).state_dict()
     for name, t in model.named_parameters():  # deduplicated: a tied lm_head is embed_tokens
         layer = name.rsplit(".", 1)[0]

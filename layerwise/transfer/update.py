@@ -252,8 +252,8 @@ class WeightUpdate:
             raise err from e
         if isinstance(e, ReloadError):
             return
-        if isinstance(e, LayerwiseError):
-            raise ReloadError.wrap(e, updated, action="weight update") from e
+        # a LayerwiseError, or any other exception of the trainer's stream or of torch: name what was overwritten
+        raise ReloadError.wrap(e, updated, action="weight update") from e
 
     def _check_open(self) -> None:
         if self.closed:

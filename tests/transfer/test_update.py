@@ -153,3 +153,38 @@ def test_a_failed_update_leaves_no_reference_to_the_model(ckpts):
     del model
     gc.collect()
     assert ref() is None
+
+
+class FailingEngine(LoopbackEngine):
+    """A backend whose transport dies after ``deliver`` buckets (a peer gone, a CUDA error): not a LayerwiseError."""
+
+    def __init__(self, source, deliver):
+        super().__init__(source)
+        self.deliver = deliver
+
+    def receive_weights(self, update_info, load_weights):
+        tensors = list(zip(update_info.names, (t for _, t in self.source), strict=True))
+        for i, (name, tensor) in enumerate(tensors):
+            if i == self.deliver:
+                raise RuntimeError("connection reset by peer")
+            load_weights([(name, tensor.clone())])
+
+
+def test_a_transport_error_midway_names_the_updated_modules(ckpts):
+    model = layerwise.load_model(ckpts["a"], quantization="fp8")
+    tensors = checkpoint_tensors(ckpts["b"])
+    deliver = next(i for i, (n, _) in enumerate(tensors) if n.startswith("model.layers.1."))
+    with pytest.raises(ReloadError, match="RuntimeError: connection reset by peer") as e:
+        update_weights(model, FailingEngine(tensors, deliver), request(tensors))
+    assert isinstance(e.value.cause, RuntimeError)
+    assert e.value.updated_modules and all(".layers.1." not in m for m in e.value.updated_modules)
+    # what the error names holds B's values, everything else A's
+    ref_a = layerwise.load_model(ckpts["a"], quantization="fp8").state_dict()
+    ref_b = layerwise.load_model(ckpts["b"], quantization="fp8").state_dict()
+    raw = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+    changed = 0
+    for name, t in model.state_dict().items():
+        expected = ref_b if name.rsplit(".", 1)[0] in e.value.updated_modules else ref_a
+        assert torch.equal(raw(t), raw(expected[name])), name
+        changed += not torch.equal(raw(ref_a[name]), raw(ref_b[name]))
+    assert changed  # A and B differ, so the comparison above can tell them apart
