@@ -346,7 +346,7 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
         try:
             copy_kernel_tensors(model, stream, atomic, updated)
         except Exception as e:  # a LayerwiseError, or an I/O or torch error midway: name what was overwritten
-            raise ReloadError.wrap(e, [] if atomic else updated) from e
+            raise ReloadError.wrap(e, updated) from e  # atomic: filled only by the commit, so exact too
         return ReloadReport(updated, time.perf_counter() - start, 0)
     session = None
     try:

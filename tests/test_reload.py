@@ -289,3 +289,38 @@ def test_kernel_format_reload_rejects_non_finite_and_changes_nothing(pair, name)
         layerwise.reload_weights(model, [(name, t)], is_checkpoint_format=False)
     assert isinstance(e.value.cause, layerwise.NonFiniteWeightError) and e.value.key == name
     assert model_digest(model) == before
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_failure_inside_finalize_names_what_it_wrote_and_closes_the_session(pair, atomic, monkeypatch):
+    """finalize commits staged modules (atomic) one by one; if that fails midway (a device error in copy_), the
+    error names every module written so far, the rest keep A's values, nothing stays on meta, and the model
+    takes the next reload."""
+    import layerwise.reload.session as session_module
+
+    a, b = pair
+    model = layerwise.load_model(a)
+    close, calls = session_module._close, []
+
+    def failing_close(info):  # finalize's third module fails; the abort that follows closes the rest normally
+        if len(calls) < 3:
+            calls.append(info.prefix)
+            if len(calls) == 3:
+                raise RuntimeError("device lost")
+        close(info)
+
+    monkeypatch.setattr(session_module, "_close", failing_close)
+    with pytest.raises(layerwise.ReloadError, match="RuntimeError: device lost") as e:
+        layerwise.reload_weights(model, b, atomic=atomic)
+    monkeypatch.undo()
+    updated = e.value.updated_modules
+    assert calls[:2] == updated[:2] and calls[2] in updated  # the third was committed, then its close failed
+    if atomic:
+        assert updated == calls  # nothing but what finalize reached
+    assert all(t.device.type != "meta" for t in model.parameters())
+    ref_a, ref_b = layerwise.load_model(a).state_dict(), layerwise.load_model(b).state_dict()
+    for name, t in model.named_parameters():  # deduplicated: a tied lm_head is embed_tokens
+        expected = ref_b if name.rsplit(".", 1)[0] in updated else ref_a
+        assert torch.equal(_bytes(t), _bytes(expected[name])), name
+    layerwise.reload_weights(model, b)  # the session was closed
+    _assert_same_bytes(model, layerwise.load_model(b))

@@ -426,18 +426,19 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     """End a session after an error, leaving the model usable.
 
     Every module whose kernel tensors were not overwritten gets them back unchanged; staged values
-    (atomic) are dropped. Returns the prefixes of the modules that were already overwritten (always
-    empty for an atomic session). On a first load there is nothing to restore and the model stays
-    on meta.
+    (atomic) are dropped. Returns the prefixes of the modules that were already overwritten (empty for
+    an atomic session, unless its finalize failed midway through the commit). On a first load there is
+    nothing to restore and the model stays on meta.
     """
     session = _end_session(model)
     if session is None:
         return []
-    updated = []
+    updated = list(session.committed)  # closed by a finalize that then failed
     for prefix, module in session.modules.items():
         info = get_layerwise_info(module)
         if info.kernel_tensors:
-            if (info.done or info.units_started) and not session.atomic:  # units: written into the kernel tensors
+            written = (info.done or info.units_started) and not session.atomic  # units: written into them
+            if written and prefix not in updated:
                 updated.append(prefix)
             set_layer_tensors(module, info.kernel_tensors)
         _close(info)
@@ -478,6 +479,8 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         info = get_layerwise_info(module)
         if info.units_done and not info.done:  # Limitations 9: a partial reload of a unit-wise module
             session.processed.append(prefix)
+        if info.kernel_tensors and (info.staged or (info.done or info.units_started) and not session.atomic):
+            session.committed.append(prefix)  # before the commit: one that fails midway has written some
         if info.staged:
             _commit(module, info, info.staged)
         elif info.kernel_tensors and not info.done:
@@ -507,7 +510,12 @@ def layerwise_session(
     except BaseException:
         session.updated_before_abort = abort_layerwise_reload(model)
         raise
-    finalize_layerwise_reload(model)
+    try:
+        finalize_layerwise_reload(model)
+    except BaseException:
+        if _session(model) is session:  # failed midway (a commit's copy_), not by its own checks, which abort
+            session.updated_before_abort = abort_layerwise_reload(model)
+        raise
 
 
 class _MissingOnReload(ReloadError, MissingWeightError):

@@ -116,6 +116,8 @@ class ReloadSession:
         buffered_bytes / peak_buffered_bytes: bytes of checkpoint tensors held in buffers (on CPU)
             by incomplete modules, now and at most during this session (memory-mapped views count,
             though they cost only page cache).
+        committed: modules finalize has already closed with new values (committed staged values, or
+            processed before): what an abort must still report if finalize fails midway.
         staging: the buffer modules are materialized in, on CPU (see ``meta.StagingBuffer``); None on
             other devices (CUDA's caching allocator already reuses freed blocks) and after the session.
         unit_bytes: module prefix -> the most checkpoint-format bytes materialized at once on the device
@@ -132,6 +134,7 @@ class ReloadSession:
     buffered_bytes: int = 0
     peak_buffered_bytes: int = 0
     unit_bytes: dict[str, int] = field(default_factory=dict)
+    committed: list[str] = field(default_factory=list)
     staging: Any = None  # a layerwise.reload.meta.StagingBuffer on CPU (reused module memory), else None
 
 

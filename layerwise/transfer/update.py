@@ -230,14 +230,16 @@ class WeightUpdate:
 
     def abort(self) -> list[str]:
         """End the update, keeping every value not yet overwritten. Returns what was overwritten
-        (module prefixes or tensor names; empty when atomic). A no-op returning [] on a closed update."""
+        (module prefixes or tensor names; empty when atomic, unless the commit itself failed midway).
+        A no-op returning [] on a closed update."""
         if self.closed:
             return []
         if self.is_checkpoint_format:
             self.updated = abort_layerwise_reload(self.model)
         self._staged = {}
         self._close()
-        return [] if self.atomic else list(self.updated)
+        # exact in both modes: an atomic update lists only what its commit wrote before it failed
+        return list(self.updated)
 
     def _fail(self, e: BaseException) -> None:
         """Abort, and turn ``e`` into a ReloadError listing the overwritten modules (raised from here)."""
