@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     result["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     result["wall_seconds"] = time.perf_counter() - start
-    default_name = f"moe_load_{args.device}" if args.size is None else f"moe_load_{args.device}_{size}"
+    device_default = "gpu" if args.device == "cuda" else "cpu"
+    default_name = f"moe_load_{args.device}" if size == device_default else f"moe_load_{args.device}_{size}"
     path = write_json(result, args.out_dir, args.name or default_name)
     print(table(result))
     print(f"wrote {path}")

@@ -450,9 +450,9 @@ def _moe_load(ml: dict) -> str:
     threads = ml.get("omp_num_threads")
     return f"""### Mixture of experts load (CPU, size {ml.get("size")})
 
-A Qwen3-30B-A3B-shaped checkpoint scaled down by `python -m layerwise.benchmarks.moe_load`: {c["num_experts"]} experts,
-top-{c["num_experts_per_tok"]}, {c["num_hidden_layers"]} layers, hidden {c["hidden_size"]}, moe_intermediate_size
-{c["moe_intermediate_size"]} ({_f(ml["checkpoint_bytes"] / MIB, ",.1f")} MiB of BF16; one expert
+A Qwen3-30B-A3B-shaped checkpoint with fewer layers, by `python -m layerwise.benchmarks.moe_load`:
+{c["num_experts"]} experts, top-{c["num_experts_per_tok"]}, {c["num_hidden_layers"]} layers, hidden {c["hidden_size"]},
+moe_intermediate_size {c["moe_intermediate_size"]} ({_f(ml["checkpoint_bytes"] / MIB, ",.1f")} MiB of BF16; one expert
 {expert_kib} KiB, a whole MoE layer {layer_mib} MiB).
 Run with {ml["versions"].get("torch")}, commit {ml.get("commit")}, {ml.get("date")}, {threads} thread(s).
 

@@ -17,10 +17,11 @@ Expert e's slice is exactly what the dense scheme makes of the [2I, H] (or [H, I
 kernels (``layerwise.kernels`` fp8_amax / scale_from_amax / fp8_quantize, with the scheme's kernel),
 so its bytes equal torch's own cast ``(w.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``. A
 per-block w13 is blocked as one [2I, H] matrix, so when I is not a multiple of 128 a block spans gate
-and up rows. The amax and the quantization run in tiles of about 1/8 of the expert (:func:`expert_tiles`, whole
-128-blocks for per-block scales), the torch reference writing straight into the expert's FP8 slice: the
-float32 work buffer of a tile (a quarter of the expert's checkpoint-dtype bytes, for BF16) is the only
-temporary besides the scales.
+and up rows. The torch reference takes the whole expert's amax first (``reference.amax``: for a 16-bit expert
+of 2^18 elements or more a float32 row-chunk buffer of 1 MiB, or 128 rows x K x 4 bytes per block), then
+quantizes in tiles of about 1/8 of the expert (:func:`expert_tiles`, whole 128-blocks for per-block scales),
+each widened once into a reused float32 work buffer (a quarter of the expert's BF16 bytes) and cast straight
+into the expert's FP8 slice. The Triton kernels run 2 tiles (amax of both first, then the quantization).
 
 Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
 the expert's slice: W8A8 (``torch._scaled_mm``, activations quantized per tensor or per token) where
@@ -117,10 +118,10 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
 
     def _quantize_expert_reference(self, weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """The torch reference: the whole expert's amax first (``amax``: no float32 copy of the expert, at
-        most a 1 MiB chunk of one; raises before any write), then tile by tile (1/8 of the expert) widen into
-        one reused float32 work buffer (a quarter of the expert's BF16 bytes), divide and cast into the FP8
-        slice. Returns the expert's scale ([] / [N, 1] / [ceil(N/128), ceil(K/128)], float32)."""
+        """The torch reference: the whole expert's amax first (``amax``: no float32 copy of the expert, only
+        a row chunk of one, see the module docstring; raises before any write), then tile by tile (1/8 of the
+        expert) widen into one reused float32 work buffer (a quarter of the expert's BF16 bytes), divide and
+        cast into the FP8 slice. Returns the expert's scale ([] / [N, 1] / [ceil(N/128), ceil(K/128)], float32)."""
         g, (n, k) = self.granularity, weight.shape
         align = BLOCK_SIZE[0] if g == "block" else 1
         scale = scale_from_amax(amax(weight, g))  # raises NonFiniteWeightError before any write

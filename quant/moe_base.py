@@ -16,7 +16,8 @@ add into the output rows. That loop reads the chosen expert ids on the host, whi
 cannot capture. While a graph is being captured (the Engine's decode step) the method runs every
 expert instead (``apply_all_experts``): the same per-expert ``expert_linear`` calls on all T tokens,
 each expert's result masked to the tokens that chose it, so it needs no host sync and its temporaries
-are [T, 2I] and [T, H] activations (no expert weights are copied or gathered). Its cost is E expert
+are [T, 2I] and [T, H] activations (no weights gathered across experts; W8A16 on CPU dequantizes one
+expert at a time, as eager does). Its cost is E expert
 GEMM pairs per layer and step instead of the ~T*k that eager runs: at decode batch sizes these are
 memory-bound reads of every expert's weight once, the bytes a fused MoE kernel reads as soon as
 T*k >= E; for long batches it computes E/k times the FLOPs, so it is the capture path, not the eager one.
@@ -71,7 +72,8 @@ class FusedMoEMethodBase:
         kernel_tensors: dict[str, torch.Tensor],
     ) -> None:
         """Write expert ``expert_id``'s ``param_name`` (``weight``: [2I, H] or [H, I], checkpoint dtype)
-        into its slices of ``kernel_tensors``. Nothing is written when it raises.
+        into its slices of ``kernel_tensors``. Nothing is written when it raises. ``weight`` may live in the
+        session's reused CPU staging buffer: copy from it, never keep a view of it.
 
         Raises:
             NonFiniteWeightError: ``weight`` holds NaN or Inf.
