@@ -8,6 +8,7 @@ import torch
 import layerwise
 from layerwise.checkpoint import Checkpoint
 from layerwise.memory import DeviceMemoryTracker, tensor_bytes
+from layerwise.reload import staging_bytes
 from tests.hf_checkpoints import write_hf_checkpoint
 
 H, INTER, E = 64, 512, 8  # experts outweigh every dense module here, so the expert units set the peak
@@ -57,7 +58,7 @@ def test_expert_reload_transient_is_one_unit_plus_a_tile(pair, quantization, no_
     with DeviceMemoryTracker("cpu") as tracker:  # counts only what the reload allocates
         report = layerwise.reload_weights(model, stream)
     assert report.updated_modules == ["model.layers.1.mlp.experts"]
-    assert tracker.final_bytes == 0
+    assert tracker.final_bytes == staging_bytes(model) == W13_UNIT  # the staging buffer, kept for the next reload
     assert W13_UNIT <= tracker.peak_bytes <= EXPERT_BF16
     # at the measured level: the BF16 unit, one tile's float32 work buffer (4 bytes per element of 1/8 of the
     # unit; the reference quantizes straight into the FP8 slice) and the scale/amax tensors (per-channel:
@@ -76,6 +77,6 @@ def test_atomic_expert_reload_stages_one_fp8_layer(pair, no_gc):
     stream = [(k, t) for k, t in Checkpoint(b) if ".layers.1.mlp.experts." in k]
     with DeviceMemoryTracker("cpu") as tracker:
         layerwise.reload_weights(model, stream, atomic=True)
-    assert tracker.final_bytes == 0
+    assert tracker.final_bytes == staging_bytes(model) == W13_UNIT  # kept for the next reload
     # the staged copy of the layer's kernel tensors, plus one BF16 unit and a tile at a time
     assert layer_fp8 + W13_UNIT <= tracker.peak_bytes <= layer_fp8 + EXPERT_BF16

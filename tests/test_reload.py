@@ -10,6 +10,7 @@ from layerwise.api import model_digest
 from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
 from layerwise.memory import DeviceMemoryTracker
+from layerwise.reload import release_staging, staging_bytes
 from tests.hf_checkpoints import write_hf_checkpoint
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM"]  # Qwen2 here is tied, Qwen3 untied
@@ -230,11 +231,21 @@ def test_reload_peak_is_bounded_by_one_module_transient(qwen3_8_layers, tmp_path
         max_shard_size="200KB",
     )
     model, report = layerwise.load_model_with_report(qwen3_8_layers)
+    assert staging_bytes(model) == 0  # a first load keeps no buffer
     with DeviceMemoryTracker("cpu") as tracker:  # counts only what the reload allocates
         layerwise.reload_weights(model, b)
     # measured 1.75: the BF16 module, the float32 work buffer and the new FP8 values before the copy
     assert tracker.peak_bytes <= 1.8 * report.largest_layer_checkpoint_bytes
-    assert tracker.final_bytes == 0  # nothing left behind
+    # left behind: only the staging buffer, kept for the next reload: the largest module in BF16
+    kept = staging_bytes(model)
+    assert tracker.final_bytes == kept == report.largest_unit_bytes
+    with DeviceMemoryTracker("cpu") as again:
+        layerwise.reload_weights(model, qwen3_8_layers)
+    # the second reload reuses it: its peak is the first one's less the buffer (measured 688,132 -> 491,524 bytes:
+    # the float32 work buffer, the new FP8 values and scales remain) and it leaves nothing behind
+    assert again.peak_bytes <= tracker.peak_bytes - kept and again.final_bytes == 0
+    _assert_same_bytes(model, layerwise.load_model(qwen3_8_layers))
+    assert release_staging(model) == kept and staging_bytes(model) == 0
 
 
 def test_engine_output_after_reload_equals_fresh_engine(pair):

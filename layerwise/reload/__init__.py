@@ -26,8 +26,13 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
 6. Tied parameters are one module (the LM head *is* embed_tokens), so they are loaded and
    reloaded once; a checkpoint's separate ``lm_head.weight`` is skipped when tied.
 7. One session per model at a time; sessions are not thread-safe.
-8. The first load materializes each module with fresh allocations; reloads reuse nothing either
-   (each module is materialized anew, then copied into the kernel tensors).
+8. On the GPU every module is materialized in fresh allocations (the caching allocator reuses them). On
+   the CPU, where fresh memory costs page faults (and page-cache reclaim) on every first write, modules
+   are materialized in one reused staging buffer (``meta.StagingBuffer``): a first load stages the
+   modules whose weight processing replaces and frees the buffer at its end; a reload stages every
+   module and keeps the buffer on the model (``model._layerwise_staging``, the size of the largest
+   module in the checkpoint dtype) for the next reload, which then allocates almost nothing.
+   ``release_staging(model)`` frees it; ``staging_bytes(model)`` reports it.
 9. A module that declares processing units (``FusedMoE``: ``processing_unit(param_name, shard_id)``
    -> ``(param_name, i)``, i.e. ``param[i]``, one expert's w13 or w2) is counted, buffered and
    processed per unit: only one unit is ever materialized in the checkpoint dtype, and it is
@@ -47,6 +52,8 @@ from layerwise.reload.session import (
     layerwise_session,
     online_process_loader,
     record_metadata_for_reloading,
+    release_staging,
+    staging_bytes,
 )
 from layerwise.reload.types import LayerReloadingInfo
 
@@ -59,4 +66,6 @@ __all__ = [
     "layerwise_session",
     "online_process_loader",
     "record_metadata_for_reloading",
+    "release_staging",
+    "staging_bytes",
 ]

@@ -40,15 +40,22 @@ class StagingBuffer:
     """One byte buffer on the CPU, reused to materialize module after module in checkpoint format.
 
     A fresh allocation per module costs its page faults on first write: copying a 64 MiB BF16 weight
-    into new memory took 41 ms here, into touched memory 8.6 ms (one thread). The buffer grows to the
-    largest module staged and is freed with the session. Only modules whose quant method replaces the
-    weight (``QuantMethod.replaces_weight``) are staged; whatever of the processed module still aliases
-    the buffer (a bias) is copied out by :meth:`release`.
+    into new memory took 41 ms here, into touched memory 8.6 ms (one thread), and far more when the kernel
+    must first reclaim page cache. The buffer grows to the largest module staged. A first load stages the
+    modules whose quant method replaces the weight (``QuantMethod.replaces_weight``) and frees the buffer
+    with its session; a non-atomic reload stages every module and keeps the buffer on the model for the
+    next reload (``layerwise.reload.release_staging`` frees it). Whatever of a processed module still
+    aliases the buffer (a bias) is copied out by :meth:`release`.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._bytes = torch.empty(0, dtype=torch.uint8, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer holds now."""
+        return self._bytes.numel()
 
     def tensors(self, metas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Uninitialized tensors of the metas' shapes and dtypes, packed in the buffer (64-byte aligned)."""

@@ -60,6 +60,7 @@ from layerwise.reload.types import (
 # that the garbage collector frees with the model.
 _INFO_ATTR = "_layerwise_info"  # on each module with parameters: its LayerReloadingInfo
 _SESSION_ATTR = "_layerwise_session"  # on the model, between initialize and finalize/abort
+_STAGING_ATTR = "_layerwise_staging"  # on the model, after a reload on CPU: its staging buffer, for the next one
 
 
 def get_layerwise_info(module: nn.Module) -> LayerReloadingInfo | None:
@@ -155,7 +156,11 @@ def initialize_layerwise_reload(
     device = torch.device(device)
     session = ReloadSession(device=device, modules=modules, first_load=first_load, atomic=atomic)
     if device.type == "cpu":
-        session.staging = StagingBuffer(device)
+        # a reload keeps its buffer on the model for the next one (Limitations 8); a first load does not
+        kept = model.__dict__.get(_STAGING_ATTR)
+        session.staging = kept if kept is not None and kept.device == device else StagingBuffer(device)
+        if not first_load:
+            model.__dict__[_STAGING_ATTR] = session.staging
     for module in modules.values():
         info = get_layerwise_info(module)
         info.reset()
@@ -356,7 +361,10 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
     if missing:  # load_numel reached the total although regions are missing: cannot happen without doubles
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
     quant_method = getattr(module, "quant_method", None)
-    staging = session.staging if quant_method is not None and quant_method.replaces_weight else None
+    # staged (CPU): what processing replaces (an FP8 method's weight); on a non-atomic reload every module,
+    # whose processed values are copied into the kernel tensors right away (an atomic one keeps them)
+    replaced = quant_method is not None and quant_method.replaces_weight
+    staging = session.staging if replaced or (info.kernel_tensors and not session.atomic) else None
     materialize_layer(module, info, session.device, staging)
     nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
@@ -375,16 +383,18 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
             f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
             key=_find_non_finite_key(info.loaded_weights),
         ) from e
-    if staging is not None:
-        staging.release(module)  # the next module reuses the buffer: copy out what still lives there (a bias)
-    processed = layer_tensors(module)
-    if info.kernel_tensors:
+    if info.kernel_tensors and not session.atomic:  # copied into the kernel tensors: nothing keeps the buffer
+        processed = layer_tensors(module)
         _check_kernel_format(info, processed)
-        if session.atomic:
+        _commit(module, info, processed)
+    else:
+        if staging is not None:
+            staging.release(module)  # the next module reuses the buffer: copy out what still lives there (a bias)
+        processed = layer_tensors(module)
+        if info.kernel_tensors:  # atomic: committed at finalize
+            _check_kernel_format(info, processed)
             info.staged = processed
             restore_layer_on_meta(module, info)
-        else:
-            _commit(module, info, processed)
     session.buffered_bytes -= sum(b.loaded_weight.numel() * b.loaded_weight.element_size() for b in info.loaded_weights)
     info.loaded_weights = []
     info.done = True
@@ -420,6 +430,26 @@ def _close(info: LayerReloadingInfo) -> None:
         meta_param.weight_loader = info.weight_loaders[name]
     info.reset()
     info.session = None
+
+
+def release_staging(model: nn.Module) -> int:
+    """Free the CPU staging buffer a reload left on ``model`` for the next one (Limitations 8).
+
+    Returns:
+        the bytes freed (0 if there was none).
+    Raises:
+        RuntimeError: a load, reload or weight update is in progress on the model.
+    """
+    if _session(model) is not None:
+        raise RuntimeError("a layerwise load/reload is in progress on this model; release its staging after it")
+    staging = model.__dict__.pop(_STAGING_ATTR, None)
+    return 0 if staging is None else staging.nbytes
+
+
+def staging_bytes(model: nn.Module) -> int:
+    """Bytes of the CPU staging buffer kept on ``model`` between reloads (0 if none)."""
+    staging = model.__dict__.get(_STAGING_ATTR)
+    return 0 if staging is None else staging.nbytes
 
 
 def abort_layerwise_reload(model: nn.Module) -> list[str]:
