@@ -317,7 +317,9 @@ def reload_weights(
         atomic: stage every processed module and write the kernel tensors only once the whole
             stream has been checked. Extra device memory: the processed (kernel-format) size of
             every module in the stream, i.e. up to the model's own size for a full reload. Without
-            it, the extra memory is about one module in the checkpoint dtype.
+            it, the extra memory is about one module in the checkpoint dtype. On the CPU that module's
+            staging buffer stays on the model for the next reload (``layerwise.reload.release_staging``
+            frees it; Limitations 8 in ``layerwise/reload/__init__.py``).
     Returns:
         a :class:`ReloadReport`.
     Raises:
