@@ -145,7 +145,7 @@ def _amax_widened(w: torch.Tensor, granularity: str, out: torch.Tensor) -> torch
     106 -> 16 ms, per-block 55 -> 16 ms). |x| in place; amax keeps NaN (and Inf) in its group."""
     n, k = w.shape
     if granularity == "channel":
-        buf = torch.empty(min(CHUNK_NUMEL, w.numel()), dtype=torch.float32, device=w.device)
+        buf = torch.empty(min(max(CHUNK_NUMEL, k), w.numel()), dtype=torch.float32, device=w.device)  # >= a row
         for r0, r1 in _row_chunks(n, k):
             tmp = buf[: (r1 - r0) * k].view(r1 - r0, k)
             tmp.copy_(w[r0:r1])
@@ -267,8 +267,10 @@ def quantize(
     src = w.reshape(1, -1) if granularity == "tensor" else w
     dst = out.view(1, -1) if granularity == "tensor" else out
     n, k = src.shape
-    # One float32 work buffer, reused: w is never written, even when it is float32 already.
-    buf = torch.empty(min(CHUNK_NUMEL, src.numel()), dtype=torch.float32, device=w.device)
+    # One float32 work buffer, reused: w is never written, even when it is float32 already. It holds at least one
+    # row of a per-channel / per-block weight (rows longer than CHUNK_NUMEL are not split).
+    row = CHUNK_NUMEL if granularity == "tensor" else k
+    buf = torch.empty(min(max(CHUNK_NUMEL, row), src.numel()), dtype=torch.float32, device=w.device)
     if granularity == "tensor":  # one long row: chunk along it
         for c0 in range(0, k, CHUNK_NUMEL):
             c1 = min(c0 + CHUNK_NUMEL, k)

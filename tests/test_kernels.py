@@ -267,3 +267,22 @@ def test_amax_of_a_large_bf16_weight_equals_float32_reduction(granularity):
         want = a.view(a.shape[0] // 128, 128, a.shape[1] // 128, 128).amax(dim=(1, 3))
     assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_rows_longer_than_a_chunk(granularity):
+    # a row of more than CHUNK_NUMEL elements is one chunk of its own (the work buffers grow to hold it)
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(3, reference.CHUNK_NUMEL + 300, generator=g) * 0.02).bfloat16()
+    a = w.float().abs()
+    if granularity == "channel":
+        want = a.amax(dim=1, keepdim=True)
+    else:
+        a = torch.nn.functional.pad(a, (0, -a.shape[1] % 128, 0, 125))
+        want = a.view(1, 128, a.shape[1] // 128, 128).amax(dim=(1, 3))
+    amax = reference.amax(w, granularity)
+    assert torch.equal(amax, want)
+    scale = reference.scale_from_amax(amax)
+    expanded = reference._expand_rows(scale, granularity, 0, w.shape[0], w.shape[1])
+    own_cast = (w.float() / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)  # torch's own formula
+    assert torch.equal(_bits(reference.quantize(w, scale)), _bits(own_cast))
