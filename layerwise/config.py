@@ -18,8 +18,9 @@ class ModelConfig:
     (``rope_parameters``) and the older one (``rope_theta`` + ``rope_scaling``).
 
     ``sliding_window`` and ``partial_rotary_factor`` are parsed for every architecture but used only
-    by the attention classes that declare them (Mistral, Phi-3, Mixtral, Qwen3-MoE);
-    ``use_sliding_window: false`` (Qwen2/Qwen3 configs) parses as None.
+    by the attention classes that declare them (every layer: Mistral, Phi-3, Mixtral, Qwen3-MoE; the
+    layers ``layer_types`` / ``max_window_layers`` name: Qwen2, Qwen3); ``use_sliding_window: false``
+    (Qwen2/Qwen3 configs) parses as None.
 
     Mixture of experts (0 experts: a dense model): ``num_experts`` (Qwen3-MoE ``num_experts``,
     Mixtral ``num_local_experts``), ``num_experts_per_tok`` (k), ``moe_intermediate_size`` (I per
@@ -44,6 +45,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
+    layer_types: list | None = None
+    max_window_layers: int = 0
     partial_rotary_factor: float = 1.0
     dtype: torch.dtype | None = None
     num_experts: int = 0
@@ -84,6 +87,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            layer_types=list(d["layer_types"]) if d.get("layer_types") else None,
+            max_window_layers=int(d.get("max_window_layers") or 0),
             partial_rotary_factor=float(partial_rotary_factor if partial_rotary_factor is not None else 1.0),
             dtype=DTYPES.get(dtype_name.lower()) if isinstance(dtype_name, str) else None,
             num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
@@ -94,6 +99,16 @@ class ModelConfig:
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             raw=d,
         )
+
+    def is_sliding_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` of a Qwen2/Qwen3 model attends over ``sliding_window`` keys
+        only, by transformers' rule: ``layer_types[layer_idx] == "sliding_attention"``, or, for a config
+        without ``layer_types``, a window (``use_sliding_window`` set) and ``layer_idx >= max_window_layers``."""
+        if self.sliding_window is None:
+            return False
+        if self.layer_types is not None:
+            return self.layer_types[layer_idx] == "sliding_attention"
+        return layer_idx >= self.max_window_layers
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` has a sparse MoE block, by transformers' Qwen3-MoE rule:

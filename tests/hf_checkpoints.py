@@ -22,12 +22,12 @@ def hf_config(
     tie: bool | None = None,
     **overrides,
 ):
-    """A tiny transformers config of ``arch``; ``overrides`` (Mistral, Phi3 and the MoE architectures only)
-    replace its fields."""
+    """A tiny transformers config of ``arch``; ``overrides`` (Qwen2/Qwen3, Mistral, Phi3 and the MoE
+    architectures) replace its fields."""
     import transformers
 
-    if overrides and arch not in MOE_ARCHS + ("MistralForCausalLM", "Phi3ForCausalLM"):
-        raise ValueError(f"config overrides are implemented for Mistral and Phi3 only, not {arch}")
+    if overrides and arch == "LlamaForCausalLM":
+        raise ValueError(f"config overrides are not implemented for {arch}")
     common = dict(
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -53,15 +53,21 @@ def hf_config(
         )
     if arch == "Qwen2ForCausalLM":
         return transformers.Qwen2Config(
-            **common,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-            tie_word_embeddings=True if tie is None else tie,
+            **{
+                **common,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                "tie_word_embeddings": True if tie is None else tie,
+                **overrides,
+            }
         )
     if arch == "Qwen3ForCausalLM":
         return transformers.Qwen3Config(
-            **common,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-            tie_word_embeddings=False if tie is None else tie,
+            **{
+                **common,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                "tie_word_embeddings": False if tie is None else tie,
+                **overrides,
+            }
         )
     # a window of 8 under test sequences of 16-24 tokens, so that it matters
     if arch == "MistralForCausalLM":

@@ -58,6 +58,7 @@ class LlamaAttention(nn.Module):
 
     qkv_bias = None  # None: from config.attention_bias; Qwen2 forces True
     uses_sliding_window = False  # True: attend to config.sliding_window keys at most (Mistral, Phi-3)
+    sliding_window_per_layer = False  # True: only in the layers config.is_sliding_layer names (Qwen2, Qwen3)
 
     def __init__(
         self,
@@ -96,7 +97,11 @@ class LlamaAttention(nn.Module):
             tp=tp,
         )
         self.rotary_emb = self.make_rotary(config, device)
-        self.sliding_window = config.sliding_window if self.uses_sliding_window else None
+        if self.sliding_window_per_layer:
+            layer_idx = int(prefix.split("layers.", 1)[1].split(".", 1)[0])  # "model.layers.<i>.self_attn"
+            self.sliding_window = config.sliding_window if config.is_sliding_layer(layer_idx) else None
+        else:
+            self.sliding_window = config.sliding_window if self.uses_sliding_window else None
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
             raise ValueError(
                 f"config.json sliding_window must be a positive integer or null, got {self.sliding_window!r}"

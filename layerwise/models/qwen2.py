@@ -6,9 +6,11 @@ from layerwise.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCa
 
 
 class Qwen2Attention(LlamaAttention):
-    """q/k/v projections carry a bias; o_proj does not."""
+    """q/k/v projections carry a bias; o_proj does not. With ``use_sliding_window``, the layers that
+    ``layer_types`` (or ``max_window_layers``) names attend over ``sliding_window`` keys."""
 
     qkv_bias = True
+    sliding_window_per_layer = True
 
 
 class Qwen2DecoderLayer(LlamaDecoderLayer):

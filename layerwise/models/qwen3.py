@@ -12,7 +12,10 @@ from layerwise.quant.config import QuantConfig
 
 
 class Qwen3Attention(LlamaAttention):
-    """Adds q_norm and k_norm, RMSNorm over head_dim applied to every head."""
+    """Adds q_norm and k_norm, RMSNorm over head_dim applied to every head. With ``use_sliding_window``,
+    the layers that ``layer_types`` (or ``max_window_layers``) names attend over ``sliding_window`` keys."""
+
+    sliding_window_per_layer = True
 
     def __init__(
         self,
