@@ -6,7 +6,8 @@ smoothing of transformers' ``_compute_llama3_parameters``) and LongRoPE (Ding et
 transformers' ``longrope_frequency_update``). A partial rotary dimension (Phi-3's
 ``partial_rotary_factor``) rotates the first ``rotary_dim`` features of each head and passes the rest.
 Frequencies are non-persistent buffers created directly on the target device (they are not in
-checkpoints); cos/sin are computed per call in float32 from the positions.
+checkpoints); cos/sin are computed in float32 from the positions, once per model forward (``cos_sin``)
+and applied by every layer (``apply``).
 """
 
 from __future__ import annotations
@@ -115,7 +116,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, T, 1, rotary_dim] in ``dtype`` for int64 ``positions`` [B, T], computed in float32.
+
+        They depend only on the positions, so a model computes them once per forward and every layer
+        applies them (:meth:`apply`). No host sync (LongRoPE picks its factors on the device).
+        """
         inv_freq = self.inv_freq
         if self.long_inv_freq is not None:  # a 0-d device tensor decides: no host sync, CUDA-graph safe
             is_long = positions.max() + 1 > self.original_max_position_embeddings
@@ -125,7 +131,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return cos.to(dtype), sin.to(dtype)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotate the first ``rotary_dim`` features of every head of q [B, T, Hq, D] and k [B, T, Hk, D]
+        by :meth:`cos_sin`'s tensors; returns (q, k) of the same shapes."""
         r = self.rotary_dim
         if r == q.shape[-1]:
             return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -134,3 +144,7 @@ class RotaryEmbedding(nn.Module):
             torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q[..., r:]), dim=-1),
             torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k[..., r:]), dim=-1),
         )
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """:meth:`apply` with :meth:`cos_sin` of ``positions`` in q's dtype."""
+        return self.apply(q, k, *self.cos_sin(positions, q.dtype))

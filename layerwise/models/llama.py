@@ -121,7 +121,11 @@ class LlamaAttention(nn.Module):
         """Hook for per-head q/k normalization (identity in Llama)."""
         return q, k
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None, position_embeddings=None
+    ) -> torch.Tensor:
+        """x [B, T, H] at int64 positions [B, T] -> [B, T, H]; ``position_embeddings``: the model's
+        ``rotary_emb.cos_sin(positions, x.dtype)``, computed here when not given."""
         b, t, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -129,7 +133,9 @@ class LlamaAttention(nn.Module):
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        if position_embeddings is None:
+            position_embeddings = self.rotary_emb.cos_sin(positions, q.dtype)
+        q, k = self.rotary_emb.apply(q, k, *position_embeddings)
         return self.o_proj(attention(q, k, v, positions, kv_cache, self.scale, self.sliding_window))
 
 
@@ -166,8 +172,10 @@ class LlamaDecoderLayer(nn.Module):
         """The feed-forward block at ``prefix``: [..., H] -> [..., H] (Llama: the gated SiLU MLP)."""
         return LlamaMLP(config, quant_config, dtype, prefix, tp=tp)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None, position_embeddings=None
+    ) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, position_embeddings)
         return h + self._modules[self.mlp_name](self.post_attention_layernorm(h))
 
 
@@ -194,8 +202,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        # cos/sin once per forward, not once per layer: every layer's rotary embedding is built from the same
+        # config, so the first one's serve all (fewer kernels per decode step)
+        position_embeddings = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(positions, x, None if kv_caches is None else kv_caches[i])
+            x = layer(positions, x, None if kv_caches is None else kv_caches[i], position_embeddings)
         return self.norm(x)
 
 
