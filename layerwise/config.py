@@ -19,8 +19,8 @@ class ModelConfig:
 
     ``sliding_window`` and ``partial_rotary_factor`` are parsed for every architecture but used only
     by the attention classes that declare them (every layer: Mistral, Phi-3, Mixtral, Qwen3-MoE; the
-    layers ``layer_types`` / ``max_window_layers`` name: Qwen2, Qwen3); ``use_sliding_window: false``
-    (Qwen2/Qwen3 configs) parses as None.
+    layers ``layer_types`` / ``max_window_layers`` name: Qwen2, Qwen3); a Qwen config whose
+    ``use_sliding_window`` is false or absent (transformers' default) parses as None.
 
     Mixture of experts (0 experts: a dense model): ``num_experts`` (Qwen3-MoE ``num_experts``,
     Mixtral ``num_local_experts``), ``num_experts_per_tok`` (k), ``moe_intermediate_size`` (I per
@@ -46,7 +46,7 @@ class ModelConfig:
     attention_bias: bool = False
     sliding_window: int | None = None
     layer_types: list | None = None
-    max_window_layers: int = 0
+    max_window_layers: int = 28
     partial_rotary_factor: float = 1.0
     dtype: torch.dtype | None = None
     num_experts: int = 0
@@ -71,6 +71,12 @@ class ModelConfig:
             scaling = dict(scaling, original_max_position_embeddings=original or d.get("max_position_embeddings"))
         heads = d["num_attention_heads"]
         dtype_name = d.get("dtype") or d.get("torch_dtype")
+        # Qwen2 / Qwen3 / Qwen3-MoE gate the window with use_sliding_window (transformers' default: False);
+        # Mistral, Mixtral and Phi-3 have no such flag: their window applies whenever sliding_window is set
+        qwen = str(d.get("model_type", "")).startswith("qwen") or any(
+            str(a).startswith("Qwen") for a in d.get("architectures") or []
+        )
+        use_window = d.get("use_sliding_window", not qwen)
         return cls(
             architectures=list(d.get("architectures") or []),
             vocab_size=d["vocab_size"],
@@ -86,9 +92,10 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", True) else None,
+            sliding_window=d.get("sliding_window") if use_window else None,
             layer_types=list(d["layer_types"]) if d.get("layer_types") else None,
-            max_window_layers=int(d.get("max_window_layers") or 0),
+            # transformers' Qwen2Config / Qwen3Config default: 28
+            max_window_layers=28 if d.get("max_window_layers") is None else int(d["max_window_layers"]),
             partial_rotary_factor=float(partial_rotary_factor if partial_rotary_factor is not None else 1.0),
             dtype=DTYPES.get(dtype_name.lower()) if isinstance(dtype_name, str) else None,
             num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
@@ -107,6 +114,10 @@ class ModelConfig:
         if self.sliding_window is None:
             return False
         if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"config.json layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+                )
             return self.layer_types[layer_idx] == "sliding_attention"
         return layer_idx >= self.max_window_layers
 

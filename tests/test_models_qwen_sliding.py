@@ -66,3 +66,23 @@ def test_engine_kv_cache_matches_full_recompute_beyond_the_window(windowed):
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1]]
     new = 10
     assert engine.generate(prompts, new) == [greedy_tokens(engine.model, p, new) for p in prompts]
+
+
+@pytest.mark.parametrize("drop", [("layer_types", "max_window_layers"), ("layer_types", "use_sliding_window")])
+def test_absent_keys_take_transformers_defaults(windowed, tmp_path, drop):
+    """Without max_window_layers the window starts at layer 28 (none of 3); without use_sliding_window a Qwen
+    config has no window at all: transformers' defaults, checked against its own logits."""
+    import shutil
+
+    copy = tmp_path / "defaults"
+    shutil.copytree(windowed, copy)
+    config = json.loads((copy / "config.json").read_text())
+    for key in drop:
+        config.pop(key, None)
+    (copy / "config.json").write_text(json.dumps(config))
+    model = layerwise.load_model(copy, quantization=None, dtype=torch.float32)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, None, None]
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    ref = hf_logits(copy, ids)
+    with torch.no_grad():
+        assert (model(ids) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

@@ -53,6 +53,18 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def layer_index(prefix: str) -> int:
+    """The decoder-layer index of a module prefix "model.layers.<i>[.<module>...]".
+
+    Raises:
+        ValueError: the prefix names no decoder layer.
+    """
+    parts = prefix.split(".")
+    if len(parts) < 3 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        raise ValueError(f"{prefix!r} is not inside a decoder layer (model.layers.<i>)")
+    return int(parts[2])
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query causal self-attention with rotary positions."""
 
@@ -98,8 +110,7 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = self.make_rotary(config, device)
         if self.sliding_window_per_layer:
-            layer_idx = int(prefix.split("layers.", 1)[1].split(".", 1)[0])  # "model.layers.<i>.self_attn"
-            self.sliding_window = config.sliding_window if config.is_sliding_layer(layer_idx) else None
+            self.sliding_window = config.sliding_window if config.is_sliding_layer(layer_index(prefix)) else None
         else:
             self.sliding_window = config.sliding_window if self.uses_sliding_window else None
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
@@ -203,7 +214,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # cos/sin once per forward, not once per layer: every layer's rotary embedding is built from the same
-        # config, so the first one's serve all (fewer kernels per decode step)
+        # config, so the first one's serve all (fewer kernels per decode step); in the activations' dtype, which
+        # q and k keep (the projections return their input's dtype)
         position_embeddings = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(positions, x, None if kv_caches is None else kv_caches[i], position_embeddings)

@@ -17,7 +17,7 @@ from torch import nn
 from layerwise.config import ModelConfig
 from layerwise.distributed import TPContext
 from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, SparseMoeBlock
-from layerwise.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from layerwise.models.llama import LlamaDecoderLayer, LlamaForCausalLM, layer_index
 from layerwise.models.qwen3 import Qwen3Attention
 from layerwise.quant.config import QuantConfig
 from layerwise.quant.fp8_moe import moe_method_for
@@ -71,7 +71,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
         self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, tp: TPContext
     ) -> nn.Module:
         """The sparse MoE block, or Qwen3's dense MLP where the config makes layer ``prefix`` dense."""
-        if not config.is_moe_layer(int(prefix.split(".")[-2])):  # prefix: "model.layers.<i>.mlp"
+        if not config.is_moe_layer(layer_index(prefix)):  # prefix: "model.layers.<i>.mlp"
             return super().make_mlp(config, quant_config, dtype, prefix, tp)
         return sparse_moe_block(
             config,

@@ -158,9 +158,11 @@ def initialize_layerwise_reload(
     if device.type == "cpu":
         # a reload keeps its buffer on the model for the next one (Limitations 8); a first load does not
         kept = model.__dict__.get(_STAGING_ATTR)
-        session.staging = kept if kept is not None and kept.device == device else StagingBuffer(device)
+        session.staging = kept if kept is not None else StagingBuffer(device)
         if not first_load:
             model.__dict__[_STAGING_ATTR] = session.staging
+    else:  # the model moved off the CPU: a buffer kept by an earlier CPU reload is of no use any more
+        model.__dict__.pop(_STAGING_ATTR, None)
     for module in modules.values():
         info = get_layerwise_info(module)
         info.reset()

@@ -282,7 +282,9 @@ def start_weight_update(
             reload path); False: the model's own kernel-format names and dtypes, copied after checks.
         atomic: keep the old values until :func:`finish_weight_update` (costs, on the model's device, the
             kernel-format bytes of every module in the update); without it each module is overwritten
-            as soon as it is complete and checked.
+            as soon as it is complete and checked. On a CPU model, a checkpoint-format update, like a
+            reload, keeps its staging buffer (the largest module in the checkpoint dtype) on the model for
+            the next one (``layerwise.reload.release_staging`` frees it).
         max_buffered_bytes: fail (instead of running out of host memory) when tensors waiting for the rest
             of their module exceed this many bytes; None = no limit.
     Returns:
