@@ -7,6 +7,8 @@ positions in (p - W, p]: W keys including its own, the convention of transformer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,37 @@ def causal_attention(
     return out.transpose(1, 2).reshape(b, t, hq * d)
 
 
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention shares within one forward, computed once (vLLM's attn_metadata).
+
+    Attributes:
+        position_embeddings: (cos, sin) [B, T, 1, rotary_dim] in the activations' dtype
+            (``RotaryEmbedding.cos_sin``).
+        masks: with a KV cache, sliding window (None: full attention) -> :func:`cache_mask`
+            [B, 1, groups * T, L]; None without a cache.
+    """
+
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    masks: dict | None = None
+
+
+def cache_mask(
+    positions: torch.Tensor, length: int, groups: int, sliding_window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive attention mask of :func:`cached_attention`: 0 where a query at ``positions`` (int64
+    [B, T]) may see a cached key (<= own position, and > own - ``sliding_window``), -inf elsewhere, in
+    ``dtype``, shaped [B, 1, groups * T, L] for the folded grouped-query heads (row g * T + t: query t).
+
+    The values SDPA derives from a boolean mask itself (``where(mask, 0, -inf)``), so results are the
+    same; a model computes it once per forward and window instead of once per layer.
+    """
+    b, t = positions.shape
+    visible = _visible(positions[:, :, None], torch.arange(length, device=positions.device), sliding_window)
+    folded = visible[:, None].expand(b, groups, t, length).reshape(b, 1, groups * t, length)
+    return torch.zeros((), dtype=dtype, device=positions.device).masked_fill(~folded, float("-inf"))
+
+
 def cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -55,6 +88,7 @@ def cached_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     scale: float,
     sliding_window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v at ``positions`` into a static cache, then attend to every cached position <= own
     (and, with ``sliding_window`` W, > own - W).
@@ -67,6 +101,8 @@ def cached_attention(
         q: [B, T, Hq, D]; k, v: [B, T, Hk, D]; positions: int64 [B, T].
         kv_cache: (k_cache, v_cache), each [B, L, Hk, D], written in place.
         sliding_window: None, or the number of keys (own included) each query sees.
+        mask: :func:`cache_mask` of these positions, cache length, grouping and window, when the caller
+            computed it already (once per forward for all layers); None: computed here.
     Returns:
         [B, T, Hq * D] in q's dtype.
     """
@@ -77,26 +113,34 @@ def cached_attention(
     v_cache.index_put_((rows, positions), v)
     length, hk = k_cache.shape[1], k_cache.shape[2]
     groups = hq // hk
-    mask = _visible(positions[:, :, None], torch.arange(length, device=q.device), sliding_window)  # [B, T, L]
+    if mask is None:
+        mask = cache_mask(positions, length, groups, sliding_window, q.dtype)
     # Grouped-query heads folded into the query length: query head h = j * groups + g reads KV head j, so the
     # groups * T queries of KV head j attend to its cached keys as one [groups * T, L] problem. The cache is
     # read as it is, never repeated per query head (repeat_interleave copied the whole cache, every layer
     # and step: ~L * Hq * D * 2 elements).
     folded = q.view(b, t, hk, groups, d).permute(0, 2, 3, 1, 4).reshape(b, hk, groups * t, d)
-    folded_mask = mask[:, None].expand(b, groups, t, length).reshape(b, 1, groups * t, length)
     out = F.scaled_dot_product_attention(
-        folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=folded_mask, scale=scale
+        folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=mask, scale=scale
     )  # [B, Hk, groups * T, D]
     return out.view(b, hk, groups, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)
 
 
 def attention(
-    q, k, v, positions, kv_cache: tuple | None, scale: float, sliding_window: int | None = None
+    q,
+    k,
+    v,
+    positions,
+    kv_cache: tuple | None,
+    scale: float,
+    sliding_window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the sequence itself (no cache) or over a static KV cache.
 
-    Shapes as in :func:`causal_attention` / :func:`cached_attention`; ``sliding_window`` as there.
+    Shapes as in :func:`causal_attention` / :func:`cached_attention`; ``sliding_window`` and ``mask`` (with
+    a cache only) as there.
     """
     if kv_cache is None:
         return causal_attention(q, k, v, scale, sliding_window)
-    return cached_attention(q, k, v, positions, kv_cache, scale, sliding_window)
+    return cached_attention(q, k, v, positions, kv_cache, scale, sliding_window, mask)

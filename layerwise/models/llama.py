@@ -12,7 +12,7 @@ from torch import nn
 
 from layerwise.config import ModelConfig
 from layerwise.distributed import NO_TP, TPContext
-from layerwise.layers.attention import attention
+from layerwise.layers.attention import AttentionMetadata, attention, cache_mask
 from layerwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from layerwise.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from layerwise.layers.norm import RMSNorm
@@ -133,10 +133,14 @@ class LlamaAttention(nn.Module):
         return q, k
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None, position_embeddings=None
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple | None = None,
+        attn_metadata: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        """x [B, T, H] at int64 positions [B, T] -> [B, T, H]; ``position_embeddings``: the model's
-        ``rotary_emb.cos_sin(positions, x.dtype)``, computed here when not given."""
+        """x [B, T, H] at int64 positions [B, T] -> [B, T, H]; ``attn_metadata``: the model's rotary cos/sin
+        and cache masks for this forward (computed here when not given)."""
         b, t, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -144,10 +148,11 @@ class LlamaAttention(nn.Module):
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
-        if position_embeddings is None:
-            position_embeddings = self.rotary_emb.cos_sin(positions, q.dtype)
-        q, k = self.rotary_emb.apply(q, k, *position_embeddings)
-        return self.o_proj(attention(q, k, v, positions, kv_cache, self.scale, self.sliding_window))
+        if attn_metadata is None:
+            attn_metadata = AttentionMetadata(self.rotary_emb.cos_sin(positions, q.dtype))
+        q, k = self.rotary_emb.apply(q, k, *attn_metadata.position_embeddings)
+        mask = attn_metadata.masks.get(self.sliding_window) if attn_metadata.masks else None
+        return self.o_proj(attention(q, k, v, positions, kv_cache, self.scale, self.sliding_window, mask))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -184,9 +189,13 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(config, quant_config, dtype, prefix, tp=tp)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple | None = None, position_embeddings=None
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple | None = None,
+        attn_metadata: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, position_embeddings)
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
         return h + self._modules[self.mlp_name](self.post_attention_layernorm(h))
 
 
@@ -213,12 +222,17 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # cos/sin once per forward, not once per layer: every layer's rotary embedding is built from the same
-        # config, so the first one's serve all (fewer kernels per decode step); in the activations' dtype, which
-        # q and k keep (the projections return their input's dtype)
-        position_embeddings = self.layers[0].self_attn.rotary_emb.cos_sin(positions, x.dtype)
+        # once per forward, not once per layer (fewer kernels per decode step): the rotary cos/sin, from the
+        # first layer's rotary embedding (every layer's is built from the same config), in the activations'
+        # dtype, which q and k keep; with a cache, one mask per distinct sliding window
+        first = self.layers[0].self_attn
+        metadata = AttentionMetadata(first.rotary_emb.cos_sin(positions, x.dtype))
+        if kv_caches is not None:
+            length, groups = kv_caches[0][0].shape[1], first.num_heads // first.num_kv_heads
+            windows = {layer.self_attn.sliding_window for layer in self.layers}
+            metadata.masks = {w: cache_mask(positions, length, groups, w, x.dtype) for w in windows}
         for i, layer in enumerate(self.layers):
-            x = layer(positions, x, None if kv_caches is None else kv_caches[i], position_embeddings)
+            x = layer(positions, x, None if kv_caches is None else kv_caches[i], metadata)
         return self.norm(x)
 
 
