@@ -16,8 +16,9 @@ import time
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from layerwise.dispatch import EagerDispatchMode
 
 _RSS_SAMPLE_SECONDS = 0.002
 
@@ -62,7 +63,7 @@ def tensor_bytes(module: torch.nn.Module, device: torch.device | None = None) ->
     return total
 
 
-class _LiveStorageMode(TorchDispatchMode):
+class _LiveStorageMode(EagerDispatchMode):
     def __init__(self, device_type: str, clock):
         super().__init__()
         self.device_type = device_type
@@ -73,12 +74,6 @@ class _LiveStorageMode(TorchDispatchMode):
         self.peak_rss_anon = rss_anon_bytes()
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self._last_rss = 0.0
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this returns False; that
-        # wrapper's first call imports torch._dynamo (seconds in a fresh process). Nothing here is compiled.
-        return False
 
     def _sweep(self) -> None:
         dead = [ptr for ptr, (ref, _) in self.live.items() if ref.expired()]

@@ -18,6 +18,19 @@ MOE_NAMES = {
 }
 
 
+def checkpoint_pair(tmp_path_factory, arch: str, tag: str):
+    """(arch, A, B): two 3-layer checkpoints of MoE architecture ``arch`` written by transformers with
+    different weights (seeds 0 and 1), under a temporary folder named after ``tag``."""
+    from tests.hf_checkpoints import write_hf_checkpoint
+
+    root = tmp_path_factory.mktemp(f"{tag}-{arch}")
+    return (
+        arch,
+        write_hf_checkpoint(root / "a", arch, seed=0, num_layers=3),
+        write_hf_checkpoint(root / "b", arch, seed=1, num_layers=3),
+    )
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8).cpu()
 

@@ -10,7 +10,7 @@ import layerwise
 from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
 from tests.hf_checkpoints import MOE_ARCHS, hf_logits, sqnr_db, write_hf_checkpoint
-from tests.moe_helpers import as_bytes, moe_block
+from tests.moe_helpers import as_bytes, checkpoint_pair, moe_block
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -19,13 +19,8 @@ SCHEMES = ["none", "fp8-per-tensor", "fp8-per-channel", "fp8-per-block"]
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)
 def pair(request, tmp_path_factory):
-    arch = request.param
-    root = tmp_path_factory.mktemp(f"moe-cuda-{arch}")
-    return (
-        arch,
-        write_hf_checkpoint(root / "a", arch, seed=0, num_layers=3),
-        write_hf_checkpoint(root / "b", arch, seed=1, num_layers=3),
-    )
+    """(arch, A, B): two 3-layer checkpoints of the same MoE architecture with different weights."""
+    return checkpoint_pair(tmp_path_factory, request.param, "moe-cuda")
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])

@@ -12,8 +12,8 @@ import layerwise
 from layerwise.api import model_digest
 from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
-from tests.hf_checkpoints import MOE_ARCHS, write_hf_checkpoint
-from tests.moe_helpers import MOE_NAMES, as_bytes, load_from_stream, moe_block
+from tests.hf_checkpoints import MOE_ARCHS
+from tests.moe_helpers import MOE_NAMES, as_bytes, checkpoint_pair, load_from_stream, moe_block
 
 KERNEL_NAMES = {
     None: ("w13_weight", "w2_weight"),
@@ -25,13 +25,7 @@ KERNEL_NAMES = {
 @pytest.fixture(scope="module", params=MOE_ARCHS)
 def pair(request, tmp_path_factory):
     """(arch, A, B): two 3-layer checkpoints of the same MoE architecture with different weights."""
-    arch = request.param
-    root = tmp_path_factory.mktemp(f"moe-reload-{arch}")
-    return (
-        arch,
-        write_hf_checkpoint(root / "a", arch, seed=0, num_layers=3),
-        write_hf_checkpoint(root / "b", arch, seed=1, num_layers=3),
-    )
+    return checkpoint_pair(tmp_path_factory, request.param, "moe-reload")
 
 
 def _experts(model):

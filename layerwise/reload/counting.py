@@ -13,28 +13,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from layerwise.checkpoint import LazyTensor
+from layerwise.dispatch import EagerDispatchMode
 from layerwise.reload.types import intervals_of_view
 
 aten = torch.ops.aten
 _WRITE_OPS = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
 
 
-class WriteRecorder(TorchDispatchMode):
+class WriteRecorder(EagerDispatchMode):
     """Records the destination region of every copy_/fill_/zero_ executed inside the mode."""
 
     def __init__(self):
         super().__init__()
         self.writes: list = []
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no; its
-        # first call then imports torch._dynamo (3-6 s in a fresh process, the cold-load cost the H100
-        # showed even for BF16). Nothing here is ever compiled.
-        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _WRITE_OPS:

@@ -95,6 +95,15 @@ class StagingBuffer:
             set_layer_tensors(layer, {**kept, **moved})
 
 
+def empty_like_metas(
+    metas: dict[str, torch.Tensor], device: torch.device, staging: StagingBuffer | None = None
+) -> dict[str, torch.Tensor]:
+    """Uninitialized tensors of the metas' shapes and dtypes: in ``staging`` when given, else fresh on ``device``."""
+    if staging is not None:
+        return staging.tensors(metas)
+    return {name: torch.empty(meta.shape, dtype=meta.dtype, device=device) for name, meta in metas.items()}
+
+
 def materialize_layer(
     layer: nn.Module, info: LayerReloadingInfo, device: torch.device, staging: StagingBuffer | None = None
 ) -> None:
@@ -105,9 +114,6 @@ def materialize_layer(
     memory is the staging buffer's (reused by the next module), else fresh.
     """
     metas = info.restore_metadata
-    if staging is not None:
-        data = staging.tensors(metas)
-    else:
-        data = {name: torch.empty(meta.shape, dtype=meta.dtype, device=device) for name, meta in metas.items()}
+    data = empty_like_metas(metas, device, staging)
     fresh = {name: meta.with_data(data[name], weight_loader=info.weight_loaders[name]) for name, meta in metas.items()}
     set_layer_tensors(layer, fresh)

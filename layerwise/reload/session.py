@@ -40,6 +40,7 @@ from layerwise.quant.parameters import ModelWeightParameter
 from layerwise.reload.counting import record_loader_writes, written_numel
 from layerwise.reload.meta import (
     StagingBuffer,
+    empty_like_metas,
     layer_tensors,
     materialize_layer,
     restore_layer_on_meta,
@@ -273,10 +274,8 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
     targets = _unit_targets(module, info)
     meta = info.restore_metadata[param_name]
     unit_meta = torch.empty(meta.shape[1:], dtype=meta.dtype, device="meta")
-    if session.staging is not None:  # CPU: the unit reuses the staging buffer's touched memory
-        weight = session.staging.tensors({param_name: unit_meta})[param_name]
-    else:
-        weight = torch.empty_like(unit_meta, device=session.device)
+    # CPU: the unit reuses the staging buffer's touched memory
+    weight = empty_like_metas({param_name: unit_meta}, session.device, session.staging)[param_name]
     # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
     # own loader, which writes only param[index] (checked above on meta), fills it
     as_param = weight.unsqueeze(0).expand(meta.shape)
