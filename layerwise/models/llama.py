@@ -69,8 +69,6 @@ class LlamaAttention(nn.Module):
     """Grouped-query causal self-attention with rotary positions."""
 
     qkv_bias = None  # None: from config.attention_bias; Qwen2 forces True
-    uses_sliding_window = False  # True: attend to config.sliding_window keys at most (Mistral, Phi-3)
-    sliding_window_per_layer = False  # True: only in the layers config.is_sliding_layer names (Qwen2, Qwen3)
 
     def __init__(
         self,
@@ -109,10 +107,7 @@ class LlamaAttention(nn.Module):
             tp=tp,
         )
         self.rotary_emb = self.make_rotary(config, device)
-        if self.sliding_window_per_layer:
-            self.sliding_window = config.sliding_window if config.is_sliding_layer(layer_index(prefix)) else None
-        else:
-            self.sliding_window = config.sliding_window if self.uses_sliding_window else None
+        self.sliding_window = self.attention_window(config, layer_index(prefix))
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
             raise ValueError(
                 f"config.json sliding_window must be a positive integer or null, got {self.sliding_window!r}"
@@ -127,6 +122,12 @@ class LlamaAttention(nn.Module):
             device,
             max_position_embeddings=config.max_position_embeddings,
         )
+
+    def attention_window(self, config: ModelConfig, layer_idx: int) -> int | None:
+        """Hook: how many keys (own included) each query of decoder layer ``layer_idx`` sees; None: all
+        (Llama). Mistral, Phi-3, Mixtral and Qwen3-MoE: ``config.sliding_window`` on every layer; Qwen2 and
+        Qwen3: on the layers ``config.is_sliding_layer`` names."""
+        return None
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         """Hook for per-head q/k normalization (identity in Llama)."""

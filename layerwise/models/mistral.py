@@ -6,6 +6,7 @@ the window applies in the full forward and in the KV-cached decode path (layers/
 
 from __future__ import annotations
 
+from layerwise.config import ModelConfig
 from layerwise.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -13,7 +14,9 @@ class MistralAttention(LlamaAttention):
     """Grouped-query attention over the last ``sliding_window`` positions; no biases."""
 
     qkv_bias = False
-    uses_sliding_window = True
+
+    def attention_window(self, config: ModelConfig, layer_idx: int) -> int | None:
+        return config.sliding_window
 
 
 class MistralDecoderLayer(LlamaDecoderLayer):

@@ -21,7 +21,9 @@ class Phi3Attention(LlamaAttention):
     ``head_dim * partial_rotary_factor`` features of each head."""
 
     qkv_bias = False
-    uses_sliding_window = True
+
+    def attention_window(self, config: ModelConfig, layer_idx: int) -> int | None:
+        return config.sliding_window
 
     def make_rotary(self, config: ModelConfig, device: torch.device) -> RotaryEmbedding:
         scaling = config.rope_scaling

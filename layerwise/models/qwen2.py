@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from layerwise.config import ModelConfig
 from layerwise.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -10,7 +11,9 @@ class Qwen2Attention(LlamaAttention):
     ``layer_types`` (or ``max_window_layers``) names attend over ``sliding_window`` keys."""
 
     qkv_bias = True
-    sliding_window_per_layer = True
+
+    def attention_window(self, config: ModelConfig, layer_idx: int) -> int | None:
+        return config.sliding_window if config.is_sliding_layer(layer_idx) else None
 
 
 class Qwen2DecoderLayer(LlamaDecoderLayer):

@@ -15,7 +15,8 @@ class Qwen3Attention(LlamaAttention):
     """Adds q_norm and k_norm, RMSNorm over head_dim applied to every head. With ``use_sliding_window``,
     the layers that ``layer_types`` (or ``max_window_layers``) names attend over ``sliding_window`` keys."""
 
-    sliding_window_per_layer = True
+    def attention_window(self, config: ModelConfig, layer_idx: int) -> int | None:
+        return config.sliding_window if config.is_sliding_layer(layer_idx) else None
 
     def __init__(
         self,

@@ -26,8 +26,8 @@ from layerwise.quant.fp8_moe import moe_method_for
 class Qwen3MoeAttention(Qwen3Attention):
     """Qwen3 attention; honours ``sliding_window`` (None unless config.json sets use_sliding_window)."""
 
-    uses_sliding_window = True  # every layer, as transformers' Qwen3-MoE (no layer_types)
-    sliding_window_per_layer = False
+    def attention_window(self, config: ModelConfig, layer_idx: int) -> int | None:
+        return config.sliding_window  # every layer, as transformers' Qwen3-MoE (no layer_types)
 
 
 def sparse_moe_block(
