@@ -77,6 +77,11 @@ GENERATOR_VERSION = 1  # part of the folder digest: bump when the values written
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
+def shape(size: str) -> dict:
+    """The ``size`` checkpoint's config fields (SIZES[size] without max_shard_size): the results' ``shape``."""
+    return {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
+
+
 def shard_bytes(text: str) -> int:
     """Bytes of a shard-size string such as "200MB" or "5GB" (decimal units, as transformers).
 

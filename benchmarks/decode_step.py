@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.checkpoints import make_checkpoint
+from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
     add_output_arguments,
@@ -37,6 +38,7 @@ from layerwise.benchmarks.options import (
     write_json,
 )
 from layerwise.benchmarks.readme import decode_table
+from layerwise.benchmarks.timing import times
 from layerwise.benchmarks.workers import WorkerResult, run_worker
 
 # "scheme/fp8_mode"; the BF16 model first: every ratio needs it
@@ -60,24 +62,17 @@ def parse_config(config: str) -> tuple[str, str]:
     return scheme, mode or "auto"
 
 
-def _step_times(engine, batch: int, position: int, warmup: int, steps: int) -> list[float]:
+def _step_times(engine, position: int, warmup: int, steps: int) -> list[float]:
     """Seconds of each of ``steps`` decode steps after ``warmup`` untimed ones."""
     tokens = torch.ones(engine.max_batch_size, 1, dtype=torch.long, device=engine.device)
     positions = torch.full((engine.max_batch_size, 1), position, dtype=torch.long, device=engine.device)
-    cuda = engine.device.type == "cuda"
-    out = []
+
+    def step():
+        with engine.weight_update_lock():
+            engine._decode(tokens, positions)  # the step generate() runs: graph replay on CUDA
+
     with torch.inference_mode():
-        for i in range(warmup + steps):
-            if cuda:
-                torch.cuda.synchronize(engine.device)
-            start = time.perf_counter()
-            with engine.weight_update_lock():
-                engine._decode(tokens, positions)  # the step generate() runs: graph replay on CUDA
-            if cuda:
-                torch.cuda.synchronize(engine.device)
-            if i >= warmup:
-                out.append(time.perf_counter() - start)
-    return out
+        return times(step, engine.device, warmup + steps)[warmup:]
 
 
 def worker(path: str, device: str, configs: list[str], batch: int, max_seq_len: int, warmup: int, steps: int):
@@ -95,10 +90,10 @@ def worker(path: str, device: str, configs: list[str], batch: int, max_seq_len: 
             model = layerwise.load_model(path, quantization=scheme, device=device, fp8_mode=mode)
             row["load_seconds"] = time.perf_counter() - start
             engine = Engine(model, max_batch_size=batch, max_seq_len=max_seq_len)
-            times = _step_times(engine, batch, max_seq_len // 2, warmup, steps)
+            seconds = _step_times(engine, max_seq_len // 2, warmup, steps)
             row.update(
-                ms=1e3 * statistics.median(times),
-                min_ms=1e3 * min(times),
+                ms=1e3 * statistics.median(seconds),
+                min_ms=1e3 * min(seconds),
                 steps=steps,
                 cuda_graph=engine.use_cuda_graph,
             )
@@ -144,7 +139,7 @@ def run(
         print(f"  decode_step: did not finish: {out.error}", file=sys.stderr)
         rows += [{"config": c, "error": out.error} for c in todo if c not in done]
     rows += [{"config": c, "error": why} for c, why in skipped.items()]
-    shape = {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
+    shape = checkpoint_shape(size)
     return {
         "benchmark": "decode_step",
         **provenance(device, size, shape),

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
     RESULTS_NOTE,
@@ -355,7 +356,7 @@ def run(
         if r["method"].startswith("layerwise-") and "error" not in r:
             r["first_seconds_with_import"] = r["first_seconds"] + imports
     add_ratios(rows, largest)
-    shape = {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
+    shape = checkpoint_shape(size)
     return {
         "benchmark": "peak_memory",
         **provenance(device, size, shape),

@@ -20,13 +20,13 @@ from __future__ import annotations
 import functools
 import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import layerwise
 from layerwise.benchmarks.checkpoints import SIZES, checkpoint_bytes, make_checkpoint
+from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
     add_output_arguments,
@@ -37,6 +37,7 @@ from layerwise.benchmarks.options import (
     write_json,
 )
 from layerwise.benchmarks.readme import reload_latency_table
+from layerwise.benchmarks.timing import times
 from layerwise.benchmarks.workers import WorkerResult, run_worker
 from layerwise.checkpoint import Checkpoint
 
@@ -46,20 +47,6 @@ SCHEMES = ["none", "fp8-per-tensor", "fp8-per-channel", "fp8-per-block", "torcha
 def scheme_label(scheme: str) -> str:
     """The scheme as the table names it ("none (bf16)" for the checkpoint dtype)."""
     return "none (bf16)" if scheme == "none" else scheme
-
-
-def _times(fn, device: torch.device, runs: int) -> list[float]:
-    """Seconds of each of ``runs`` calls of ``fn`` (CUDA synchronized around each)."""
-    out = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out.append(time.perf_counter() - start)
-    return out
 
 
 def host_stream(path: str, device: torch.device | str) -> list[tuple[str, torch.Tensor]]:
@@ -90,7 +77,7 @@ def worker(path: str, device: str, schemes: list[str], repeats: int):
     stream_bytes = sum(t.numel() * t.element_size() for _, t in stream)
     floor_dst = {k: torch.empty_like(t, device=device) for k, t in stream}
     copy = functools.partial(_copy_all, floor_dst, stream, device.type == "cuda")
-    first, *rest = _times(copy, device, repeats + 1)  # the first copy touches the destination pages
+    first, *rest = times(copy, device, repeats + 1)  # the first copy touches the destination pages
     floor = min(rest)
     yield {
         "case": "floor: copy_ BF16 tensors",
@@ -108,7 +95,7 @@ def worker(path: str, device: str, schemes: list[str], repeats: int):
         model = layerwise.load_model(path, quantization=scheme, device=device)
         sources = ((stream, "stream", "in-memory stream"), (path, "dir", "from disk (page cache warm)"))
         for source, weights, what in sources:
-            first, *rest = _times(functools.partial(layerwise.reload_weights, model, source), device, repeats + 1)
+            first, *rest = times(functools.partial(layerwise.reload_weights, model, source), device, repeats + 1)
             best = min(rest)
             yield {
                 "case": f"{scheme_label(scheme)}: {what}",
@@ -152,7 +139,7 @@ def run(
         rows.append({"case": "did not finish", "error": out.error})
         print(f"  reload_latency: did not finish: {out.error}", file=sys.stderr)
     rows += [{"case": f"{scheme_label(s)}: not run", "scheme": s, "error": why} for s, why in skipped.items()]
-    shape = {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
+    shape = checkpoint_shape(size)
     floor = next((r for r in rows if r.get("source") == "floor"), {})
     return {
         "benchmark": "reload_latency",

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from layerwise.benchmarks import decode_step, peak_memory, reload_latency
-from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.checkpoints import make_checkpoint
+from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
     add_output_arguments,
@@ -218,7 +219,7 @@ def run(
     if "reload_latency" in parts:
         began = time.monotonic()
         schemes = schemes or reload_latency.SCHEMES
-        skipped = {s: torchao for s in schemes if torchao and "torchao" in s}
+        skipped = peak_memory.missing_modules(schemes)
         repeats = 2 if kind == "cuda" else 3
         result = reload_latency.run(
             size, device, repeats, cache, schemes, timeout=_left(deadline) * SHARES["reload_latency"], skipped=skipped
@@ -228,7 +229,7 @@ def run(
         began = time.monotonic()
         configs = configs or decode_step.CONFIGS
         if kind == "cuda":
-            skipped = {c: torchao for c in configs if torchao and "torchao" in c}
+            skipped = peak_memory.missing_modules(configs)
         else:
             skipped = {c: "skipped: GPU-only (the issue's decode step is a CUDA-graph step on a GPU)" for c in configs}
         result = decode_step.run(
@@ -236,7 +237,7 @@ def run(
         )
         finish("decode_step", result, began)
 
-    shape = {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}
+    shape = checkpoint_shape(size)
     return {
         "benchmark": "suite",
         **provenance(device, size, shape),

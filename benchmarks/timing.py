@@ -8,18 +8,23 @@ from collections.abc import Callable
 import torch
 
 
+def times(fn: Callable[[], object], device: torch.device, runs: int) -> list[float]:
+    """Seconds of each of ``runs`` calls of ``fn`` (CUDA synchronized around each call)."""
+    out = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
 def best_of(fn: Callable[[], object], device: torch.device, repeats: int, warmup: bool = True) -> float:
     """Fastest of ``repeats`` calls of ``fn`` in seconds (CUDA synchronized around each call);
     ``warmup`` runs it once first (Triton/Inductor compilation, allocator)."""
     if warmup:
         fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(times(fn, device, repeats), default=float("inf"))

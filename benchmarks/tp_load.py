@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 
 from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, default_cache_dir, require, write_json
 
@@ -116,10 +117,10 @@ def main(argv=None) -> int:
         )
     result = {
         "benchmark": "tp_load",
-        **provenance("cpu", args.size, {k: v for k, v in SIZES[args.size].items() if k != "max_shard_size"}),
+        **provenance("cpu", args.size, checkpoint_shape(args.size)),
         "device": "cpu",
         "machine": describe_machine("cpu"),
-        "checkpoint": {"size": args.size, **{k: v for k, v in SIZES[args.size].items() if k != "max_shard_size"}},
+        "checkpoint": {"size": args.size, **checkpoint_shape(args.size)},
         "quantization": args.quantization,
         "global_scales": True,
         "results": runs,

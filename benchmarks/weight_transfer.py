@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
+from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
     add_output_arguments,
@@ -499,7 +500,7 @@ def _run(size, device, repeats, cache, bucket_bytes, timeout_seconds, threads) -
         bench.close()
     return {
         "benchmark": "weight_transfer",
-        **provenance(str(bench.device), size, {k: v for k, v in SIZES[size].items() if k != "max_shard_size"}),
+        **provenance(str(bench.device), size, checkpoint_shape(size)),
         "device": str(bench.device),
         "backend": "nccl (gloo)" if bench.device.type == "cpu" else "nccl (NCCL)",
         "checkpoint": str(path),
