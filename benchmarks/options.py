@@ -18,7 +18,10 @@ then regenerate the README with python -m layerwise.benchmarks.readme."""
 
 
 def benchmark_parser(
-    prog: str, description: str, device_help: str = "cpu or cuda (default: cpu)"
+    prog: str,
+    description: str,
+    device_help: str = "cpu or cuda (default: cpu)",
+    size_help: str = "checkpoint size (as layerwise bench)",
 ) -> argparse.ArgumentParser:
     """The parser every checkpoint benchmark starts from: ``--size`` (the checkpoint sizes of
     benchmarks/checkpoints.py) and ``--device``, with the module docstring as description and the
@@ -28,7 +31,7 @@ def benchmark_parser(
     parser = argparse.ArgumentParser(
         prog=prog, description=description, epilog=RESULTS_NOTE, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--size", default="default", choices=sorted(SIZES), help="checkpoint size (as layerwise bench)")
+    parser.add_argument("--size", default="default", choices=sorted(SIZES), help=size_help)
     parser.add_argument("--device", default="cpu", help=device_help)
     return parser
 

@@ -38,7 +38,6 @@ versions, commit, date) and DIR/<name>.png (the timelines plotted), and prints t
 
 from __future__ import annotations
 
-import argparse
 import gc
 import subprocess
 import sys
@@ -51,8 +50,8 @@ from layerwise.benchmarks.checkpoints import SIZES, make_checkpoint
 from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import (
-    RESULTS_NOTE,
     add_output_arguments,
+    benchmark_parser,
     default_cache_dir,
     positive_int,
     require,
@@ -231,11 +230,10 @@ def worker(method: str, path: str, device: str, loads: int = 2):
             with DeviceMemoryTracker(device) as tracker:
                 result, took = _timed_load(method, path, device, tracker)
                 tracker.sample()
+            untracked, final = 0, _final_bytes(result, device)
         else:
             result, took = _timed_load(method, path, device)
         seconds.append(took)
-        if tracker is not None and i == 0:
-            untracked, final = 0, _final_bytes(result, device)
         del result
         gc.collect()  # models hold reference cycles: free each one before the next load
     if tracker is None:  # CPU: the memory run, under the live-storage tracker
@@ -423,23 +421,15 @@ def main(argv=None) -> int:
     Raises:
         MissingDependencyError: an optional dependency of the run is missing (checked before any work).
     """
-    parser = argparse.ArgumentParser(
-        prog="layerwise bench",
-        description=__doc__,
-        epilog=RESULTS_NOTE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
     sizes = "; ".join(
         f"'{k}' = {v['num_hidden_layers']} layers, hidden {v['hidden_size']}, vocab {v['vocab_size']}"
         for k, v in SIZES.items()
     )
-    parser.add_argument(
-        "--size",
-        default="default",
-        choices=sorted(SIZES),
-        help=f"the BF16 Llama checkpoint to generate: {sizes} (a quick run; default: default)",
+    parser = benchmark_parser(
+        "layerwise bench",
+        __doc__,
+        size_help=f"the BF16 Llama checkpoint to generate: {sizes} (a quick run; default: default)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument(
         "--methods",
         default=",".join(METHODS),
