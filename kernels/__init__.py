@@ -50,15 +50,18 @@ def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch"
     return reference.amax(w, granularity)
 
 
-def fp8_quantize(w: torch.Tensor, scale: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
-    """Quantize ``w`` with ``scale`` (layout read off its shape) to float8_e4m3fn of w's shape."""
+def fp8_quantize(
+    w: torch.Tensor, scale: torch.Tensor, kernel: str = "torch", *, within_range: bool = False
+) -> torch.Tensor:
+    """Quantize ``w`` with ``scale`` (layout read off its shape) to float8_e4m3fn of w's shape.
+    ``within_range``: as in :func:`reference.quantize` (the torch reference then skips its clamp)."""
     if kernel == "triton":
         from layerwise.kernels.ops import fp8_quantize_triton
 
         return fp8_quantize_triton(w, scale)
     if cpu_fused.use_fused(w, scale_layout(w, scale)):
         return cpu_fused.quantize_per_tensor_fused(w, scale.float())
-    return reference.quantize(w, scale)
+    return reference.quantize(w, scale, within_range=within_range)
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernel: str = "torch") -> torch.Tensor:
@@ -86,10 +89,8 @@ def fp8_quantize_weight(
         NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
     scale = scale_from_amax(fp8_amax(w, granularity, kernel))
-    if kernel == "torch" and not cpu_fused.use_fused(w, granularity):
-        # the scale comes from w's own amax, so |w| / scale < 464: the reference may skip its clamp
-        return reference.quantize(w, scale, within_range=True), scale
-    return fp8_quantize(w, scale, kernel), scale
+    # the scale comes from w's own amax, so |w| / scale < 464: the reference may skip its clamp
+    return fp8_quantize(w, scale, kernel, within_range=True), scale
 
 
 __all__ = [

@@ -33,10 +33,19 @@ import functools
 import torch
 
 from layerwise.kernels.fp8_act import GROUP_SIZE
-from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE
-from layerwise.kernels.triton_common import HAS_TRITON, e4m3_value, helper, launch, load_f32, tl, triton
+from layerwise.kernels.fp8_tiles import SCALE_MODES
+from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, scale_layout
+from layerwise.kernels.triton_common import (
+    HAS_TRITON,
+    as_kernel_input,
+    e4m3_value,
+    helper,
+    launch,
+    load_f32,
+    tl,
+    triton,
+)
 
-SCALE_MODES = {"tensor": 0, "channel": 1, "block": 2}
 # (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), first row whose max M >= M wins.
 # W8A16, per-tensor / per-channel weights (BLOCK_K for per-block is forced to 128).
 W8A16_TILES_CUDA = (
@@ -214,10 +223,6 @@ def _check_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, name: str) -> None
         raise ValueError(f"{name}: x and weight must share a cuda (or cpu, interpreted) device")
 
 
-def _bits_of(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def _run(fn, device, m, n, tiles, args, **constexprs) -> None:
     block_m, block_n, block_k, num_warps, num_stages = tiles
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
@@ -242,7 +247,6 @@ def w8a16_gemm(
     Raises:
         TypeError / ValueError: dtypes, shapes or devices the kernel does not take.
     """
-    from layerwise.kernels.reference import scale_layout
 
     _check_gemm_inputs(x, weight, "w8a16_gemm")
     if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous():
@@ -258,14 +262,16 @@ def w8a16_gemm(
     if granularity == "block":  # one block column per K step, one block row per column tile
         tiles = (tiles[0], min(tiles[1], BLOCK_SIZE[0]), BLOCK_SIZE[1], *tiles[3:])
     scale = scale.to(torch.float32).contiguous()
+    x_bits, is_bf16 = as_kernel_input(x)
+    bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else x
     args = (
-        _bits_of(x), weight.view(torch.uint8), scale, _bits_of(bias.contiguous()) if bias is not None else x,
-        _bits_of(out), m, n, k, scale.shape[-1] if granularity == "block" else 1,
+        x_bits, weight.view(torch.uint8), scale, bias_bits,
+        as_kernel_input(out)[0], m, n, k, scale.shape[-1] if granularity == "block" else 1,
     )  # fmt: skip
     native = fp8_native(x.device)
     _run(
         _w8a16_gemm_kernel, x.device, m, n, tiles, args,
-        IS_BF16=x.dtype == torch.bfloat16, HAS_BIAS=bias is not None, SCALE_MODE=SCALE_MODES[granularity],
+        IS_BF16=is_bf16, HAS_BIAS=bias is not None, SCALE_MODE=SCALE_MODES[granularity],
         FP8_NATIVE=native, DOT_DTYPE=dot_dtype(x.dtype, x.device),
     )  # fmt: skip
     return out
@@ -312,8 +318,8 @@ def w8a8_block_gemm(
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     args = (
         xq.view(torch.uint8), x_scale.to(torch.float32).contiguous(), weight.view(torch.uint8),
-        weight_scale.to(torch.float32).contiguous(), _bits_of(bias.contiguous()) if bias is not None else out,
-        _bits_of(out), m, n, k, groups, weight_scale.shape[1],
+        weight_scale.to(torch.float32).contiguous(), as_kernel_input(bias.contiguous())[0] if bias is not None else out,
+        as_kernel_input(out)[0], m, n, k, groups, weight_scale.shape[1],
     )  # fmt: skip
     _run(
         _w8a8_block_gemm_kernel, xq.device, m, n, gemm_tiles(m, xq.device, "block"), args,
@@ -322,4 +328,4 @@ def w8a8_block_gemm(
     return out
 
 
-__all__ = ["SCALE_MODES", "W8A16_TILES_CUDA", "W8A8_BLOCK_TILES_CUDA", "gemm_tiles", "w8a16_gemm", "w8a8_block_gemm"]
+__all__ = ["W8A16_TILES_CUDA", "W8A8_BLOCK_TILES_CUDA", "gemm_tiles", "w8a16_gemm", "w8a8_block_gemm"]

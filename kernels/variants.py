@@ -25,7 +25,6 @@ from layerwise.kernels.fp8_act import (
     _act_quant_token_kernel,
     act_tile,
 )
-from layerwise.kernels.fp8_gemm import SCALE_MODES as GEMM_SCALE_MODES
 from layerwise.kernels.fp8_gemm import (
     W8A8_BLOCK_TILES_CUDA,
     W8A16_TILES_CUDA,
@@ -69,7 +68,7 @@ class KernelVariant:
     fn: Callable
     signature: dict
     constexprs: dict
-    targets: tuple = (80, 89, 90)  # compute capabilities the wrappers launch it on
+    targets: tuple = CUDA_TARGETS
     options: dict = field(default_factory=dict)  # launch options: num_warps, num_stages
     aligned: tuple = ()  # arguments compiled as multiples of 16 (Triton's runtime specialization)
 
@@ -202,7 +201,7 @@ def gemm_variants() -> Iterator[KernelVariant]:
             forms = [(True, fp8_targets)] + ([(False, (80,))] if sm80 else [])
             for native, targets in forms:
                 const = dict(
-                    IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=GEMM_SCALE_MODES[granularity], FP8_NATIVE=native,
+                    IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[granularity], FP8_NATIVE=native,
                     DOT_DTYPE=dot_dtype(dtype, cuda), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 )  # fmt: skip
                 yield KernelVariant(

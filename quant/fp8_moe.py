@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, fp8_amax, fp8_quantize, scale_from_amax
-from layerwise.kernels.reference import amax, quantize_widened
+from layerwise.kernels.reference import quantize_widened
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
 
@@ -70,6 +70,16 @@ def expert_tiles(n: int, k: int, align: int, parts: int) -> list[tuple[int, int,
         for r0 in range(0, n, row_step)
         for c0 in range(0, k, col_step)
     ]
+
+
+def _tile_scale(scale: torch.Tensor, granularity: str, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+    """The entries of an expert's ``scale`` that the tile rows [r0, r1) x columns [c0, c1) use (a view)."""
+    if granularity == "tensor":
+        return scale
+    if granularity == "channel":
+        return scale[r0:r1]
+    bn, bk = BLOCK_SIZE
+    return scale[r0 // bn : -(-r1 // bn), c0 // bk : -(-c1 // bk)]
 
 
 class Fp8MoEMethod(FusedMoEMethodBase):
@@ -107,72 +117,40 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     def process_expert(self, layer, param_name, expert_id, weight, kernel_tensors) -> None:
         """Quantize ``weight`` [N, K] into ``kernel_tensors[param_name][expert_id]`` and its scale slice.
 
+        The whole expert's amax first (the torch reference's ``amax`` makes no float32 copy of the expert,
+        only a row chunk of one, see the module docstring), then tile by tile: the torch reference widens
+        each 1/8-expert tile into one reused float32 work buffer (a quarter of the expert's BF16 bytes),
+        divides and casts into the FP8 slice; Triton quantizes 2 tiles (bounding its FP8 output).
+
         Raises:
             NonFiniteWeightError: ``weight`` holds NaN or Inf (raised by the scale, before any write).
         """
+        g, (n, k) = self.granularity, weight.shape
+        scale = scale_from_amax(fp8_amax(weight, g, self.kernel))  # whole expert; raises before any write
         q = kernel_tensors[param_name].data[expert_id]
+        tiles = expert_tiles(n, k, BLOCK_SIZE[0] if g == "block" else 1, parts=8 if self.kernel == "torch" else 2)
         if self.kernel == "torch":
-            scale = self._quantize_expert_reference(weight, q)
-        else:
-            scale = self._quantize_expert_kernels(weight, q)
+            numel = max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in tiles)
+            work = torch.empty(numel, dtype=torch.float32, device=weight.device)
+        for r0, r1, c0, c1 in tiles:
+            tile_scale = _tile_scale(scale, g, r0, r1, c0, c1)
+            if self.kernel == "torch":
+                tmp = work[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+                tmp.copy_(weight[r0:r1, c0:c1])
+                if g == "block":  # one scale row per weight row (the tile starts on a block row)
+                    tile_scale = tile_scale.repeat_interleave(BLOCK_SIZE[0], dim=0)[: r1 - r0]
+                quantize_widened(tmp, tile_scale, q[r0:r1, c0:c1], within_range=True)
+            else:
+                q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
         kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
-
-    def _quantize_expert_reference(self, weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """The torch reference: the whole expert's amax first (``amax``: no float32 copy of the expert, only
-        a row chunk of one, see the module docstring; raises before any write), then tile by tile (1/8 of the
-        expert) widen into one reused float32 work buffer (a quarter of the expert's BF16 bytes), divide and
-        cast into the FP8 slice. Returns the expert's scale ([] / [N, 1] / [ceil(N/128), ceil(K/128)], float32)."""
-        g, (n, k) = self.granularity, weight.shape
-        align = BLOCK_SIZE[0] if g == "block" else 1
-        scale = scale_from_amax(amax(weight, g))  # raises NonFiniteWeightError before any write
-        tiles = expert_tiles(n, k, align, parts=8)
-        numel = max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in tiles)
-        work = torch.empty(numel, dtype=torch.float32, device=weight.device)
-        for r0, r1, c0, c1 in tiles:
-            tmp = work[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-            tmp.copy_(weight[r0:r1, c0:c1])
-            if g == "tensor":
-                tile_scale = scale
-            elif g == "channel":
-                tile_scale = scale[r0:r1]
-            else:  # the tile's blocks, expanded along rows: [r1 - r0, its column blocks]
-                blocks = scale[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)]
-                tile_scale = blocks.repeat_interleave(align, dim=0)[: r1 - r0]
-            quantize_widened(tmp, tile_scale, q[r0:r1, c0:c1], within_range=True)
-        return scale
-
-    def _quantize_expert_kernels(self, weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """The scheme's kernel (Triton) in 2 tiles: the amax of every tile first (max is exact, so the scale
-        is the whole matrix's; raises before any write), then the quantization tile by tile."""
-        g, (n, k) = self.granularity, weight.shape
-        align = BLOCK_SIZE[0] if g == "block" else 1
-        tiles = expert_tiles(n, k, align, parts=2)
-        amax_all = torch.zeros(expert_scale_shape(1, n, k, g)[1:], dtype=torch.float32, device=weight.device)
-        for r0, r1, c0, c1 in tiles:
-            a = fp8_amax(weight[r0:r1, c0:c1], g, self.kernel)
-            if g == "tensor":
-                amax_all = torch.maximum(amax_all, a)  # NaN propagates
-            elif g == "channel":
-                amax_all[r0:r1] = torch.maximum(amax_all[r0:r1], a)
-            else:
-                amax_all[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)] = a
-        scale = scale_from_amax(amax_all)
-        for r0, r1, c0, c1 in tiles:
-            if g == "tensor":
-                tile_scale = scale
-            elif g == "channel":
-                tile_scale = scale[r0:r1]
-            else:
-                tile_scale = scale[r0 // align : -(-r1 // align), c0 // align : -(-c1 // align)]
-            q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
-        return scale
 
     def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:
         scale = getattr(layer, self.scale_names[param_name])
         if self.granularity == "tensor":
-            # a copy: the view scale[e:e+1] sits 4*e bytes into the tensor, and cuBLASLt's FP8 matmul refuses
-            # a scale pointer that is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED on the H100 for e > 0)
-            return scale[expert_id : expert_id + 1].clone()
+            # on CUDA a copy: the view scale[e:e+1] sits 4*e bytes into the tensor, and cuBLASLt's FP8 matmul
+            # refuses a scale pointer that is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED on the H100, e > 0)
+            view = scale[expert_id : expert_id + 1]
+            return view.clone() if view.is_cuda else view
         return scale[expert_id]  # [N, 1] rows: e * N * 4 bytes in, aligned for N % 4 == 0
 
     def expert_linear(self, layer, param_name, expert_id, x):
