@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from layerwise.benchmarks.checkpoints import WEIGHT_STD
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, default_cache_dir, require, write_json
 from layerwise.benchmarks.workers import run_worker
@@ -154,7 +155,7 @@ def make_checkpoint(size: str, root: Path) -> Path:
     for file, shapes in shards.items():
         tensors = {}
         for key, shape in shapes.items():
-            t = torch.ones(shape) if key.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
+            t = torch.ones(shape) if key.endswith("norm.weight") else torch.randn(shape, generator=gen) * WEIGHT_STD
             tensors[key] = t.to(torch.bfloat16)
             weight_map[key] = file
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
@@ -195,7 +196,8 @@ def run(size: str, device: str, cache: Path, loads: int = 2, timeout: float | No
         row = out.rows[0]
         row.pop("timeline", None), row.pop("mark_points", None)
         if method.startswith("layerwise-"):
-            units = run_worker("moe_load", "unit_report", dict(path=str(path), scheme=method[10:], device=device))
+            scheme = method.removeprefix("layerwise-")
+            units = run_worker("moe_load", "unit_report", dict(path=str(path), scheme=scheme, device=device))
             row.update(units.rows[0] if units.rows else {"unit_report_error": units.error})
         rows.append(row)
         print(f"  {method}: peak {row['peak_bytes'] / 2**20:.1f} MiB, {row['seconds']:.2f} s", file=sys.stderr)
@@ -261,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_output_arguments(parser, "moe_load_<device>")
     args = parser.parse_args(argv)
-    size = args.size or ("gpu" if args.device == "cuda" else "cpu")
+    device_default = "gpu" if args.device == "cuda" else "cpu"
+    size = args.size or device_default
     require(["transformers", "torchao"], purpose="python -m layerwise.benchmarks.moe_load")  # before any work
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the worker processes
@@ -271,7 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     result["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     result["wall_seconds"] = time.perf_counter() - start
-    device_default = "gpu" if args.device == "cuda" else "cpu"
     default_name = f"moe_load_{args.device}" if size == device_default else f"moe_load_{args.device}_{size}"
     path = write_json(result, args.out_dir, args.name or default_name)
     print(table(result))
