@@ -1,8 +1,8 @@
 """FP8 kernels: Triton implementations and their bit-exact torch reference.
 
-``kernel`` selects the implementation: ``"torch"`` (the reference; on CPU, large per-tensor
-tensors take a fused compiled version of it), ``"triton"`` (compiled on CUDA, interpreted on
-CPU), or ``None`` for the device default (triton on CUDA, torch elsewhere).
+``kernel`` selects the implementation: ``"torch"`` (the reference; on CPU, contiguous bfloat16 and float32
+tensors take its fused native C version, ``cpu_native``, when built), ``"triton"`` (compiled on CUDA,
+interpreted on CPU), or ``None`` for the device default (triton on CUDA, torch elsewhere).
 ``granularity`` is "tensor", "channel" (one scale per output row) or "block" (128 x 128).
 
 The forward's kernels live beside these (imported on demand, CUDA only in the library's use):
@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from layerwise.kernels import cpu_fused, reference
+from layerwise.kernels import cpu_native, reference
 from layerwise.kernels.reference import (
     BLOCK_SIZE,
     FP8_DTYPE,
     FP8_E4M3_MAX,
     GRANULARITIES,
-    has_non_finite,
     scale_from_amax,
     scale_layout,
     scale_shape,
@@ -41,27 +40,47 @@ def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
     return kernel
 
 
+def has_non_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds NaN or +-Inf (:func:`reference.has_non_finite`; one native amax pass on CPU)."""
+    if t.is_floating_point() and t.dtype != FP8_DTYPE and cpu_native.supports(t):
+        return not bool(torch.isfinite(cpu_native.amax(t, "tensor")))
+    return reference.has_non_finite(t)
+
+
 def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch") -> torch.Tensor:
     """max(|w|) per group as float32 of :func:`scale_shape` (non-finite where w is)."""
     if kernel == "triton":
         from layerwise.kernels.ops import fp8_amax_triton
 
         return fp8_amax_triton(w, granularity)
+    if cpu_native.supports(w):
+        scale_shape(w.shape, granularity)  # the reference's ValueError for a bad granularity or shape
+        return cpu_native.amax(w, granularity)
     return reference.amax(w, granularity)
 
 
 def fp8_quantize(
-    w: torch.Tensor, scale: torch.Tensor, kernel: str = "torch", *, within_range: bool = False
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    kernel: str = "torch",
+    *,
+    within_range: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quantize ``w`` with ``scale`` (layout read off its shape) to float8_e4m3fn of w's shape.
-    ``within_range``: as in :func:`reference.quantize` (the torch reference then skips its clamp)."""
+
+    ``within_range``: as in :func:`reference.quantize` (the torch reference then skips its clamp).
+    ``out``: a contiguous float8_e4m3fn tensor of w's shape on w's device, written in place and returned
+    (Triton writes a new tensor that is copied in).
+    """
     if kernel == "triton":
         from layerwise.kernels.ops import fp8_quantize_triton
 
-        return fp8_quantize_triton(w, scale)
-    if cpu_fused.use_fused(w, scale_layout(w, scale)):
-        return cpu_fused.quantize_per_tensor_fused(w, scale.float())
-    return reference.quantize(w, scale, within_range=within_range)
+        q = fp8_quantize_triton(w, scale)
+        return q if out is None else out.copy_(q)
+    if scale.device.type == "cpu" and cpu_native.supports(w, out):
+        return cpu_native.quantize(w, scale, scale_layout(w, scale), out)
+    return reference.quantize(w, scale, out, within_range=within_range)
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernel: str = "torch") -> torch.Tensor:

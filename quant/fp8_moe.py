@@ -17,7 +17,9 @@ Expert e's slice is exactly what the dense scheme makes of the [2I, H] (or [H, I
 kernels (``layerwise.kernels`` fp8_amax / scale_from_amax / fp8_quantize, with the scheme's kernel),
 so its bytes equal torch's own cast ``(w.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``. A
 per-block w13 is blocked as one [2I, H] matrix, so when I is not a multiple of 128 a block spans gate
-and up rows. The torch reference takes the whole expert's amax first (``reference.amax``: for a 16-bit expert
+and up rows. On CPU the torch kernel's native pass (``kernels/cpu_native.py``) takes the whole expert's amax,
+then quantizes it straight into its FP8 slice, with no work buffer. Where that extension is not built, the
+torch reference takes the whole expert's amax first (``reference.amax``: for a 16-bit expert
 of 2^18 elements or more a float32 row-chunk buffer of 1 MiB, or 128 rows x K x 4 bytes per block), then
 quantizes in tiles of about 1/8 of the expert (:func:`expert_tiles`, whole 128-blocks for per-block scales),
 each widened once into a reused float32 work buffer (a quarter of the expert's BF16 bytes) and cast straight
@@ -37,7 +39,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, fp8_amax, fp8_quantize, scale_from_amax
+from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, cpu_native, fp8_amax, fp8_quantize, scale_from_amax
 from layerwise.kernels.reference import quantize_widened
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
@@ -128,6 +130,10 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         g, (n, k) = self.granularity, weight.shape
         scale = scale_from_amax(fp8_amax(weight, g, self.kernel))  # whole expert; raises before any write
         q = kernel_tensors[param_name].data[expert_id]
+        if self.kernel == "torch" and cpu_native.supports(weight, q):  # one fused pass, no work buffer
+            fp8_quantize(weight, scale, out=q)
+            kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
+            return
         tiles = expert_tiles(n, k, BLOCK_SIZE[0] if g == "block" else 1, parts=8 if self.kernel == "torch" else 2)
         if self.kernel == "torch":
             numel = max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in tiles)

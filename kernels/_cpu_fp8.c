@@ -1,0 +1,310 @@
+/* Fused FP8 (e4m3fn) amax and quantize for contiguous CPU tensors: the CPU fast path of the torch kernel.
+ *
+ * Bit-exact with kernels/reference.py (the definition): amax = max |w| per group, read off the bits (a NaN
+ * anywhere gives a NaN amax, an Inf an Inf); q = e4m3fn(clamp(float32(w) / scale, -448, 448)) with IEEE
+ * float32 division and round-half-to-even, the float32 -> e4m3fn conversion being c10's
+ * fp8e4m3fn_from_fp32_value (the one torch's own .to(torch.float8_e4m3fn) runs on CPU) rewritten without
+ * branches, so the compiler vectorizes it.
+ *
+ * Why it exists: torch's CPU cast to float8 is a scalar loop (about 0.55 ns per element on one thread here),
+ * and the reference needs four passes (widen, divide, clamp, cast). This is one pass that reads the
+ * 16-bit weight and writes the byte: ~20x faster than the reference on an 8192 x 4096 BF16 weight.
+ *
+ * Inputs: bfloat16 (dtype code 0) or float32 (code 1), row-major [n_rows, k]. Granularity codes: 0 per
+ * tensor (one scale), 1 per channel (one scale per row), 2 per 128 x 128 block (scales [ceil(n/128),
+ * ceil(k/128)] row-major). Work is split over n_threads POSIX threads by rows (per tensor: by elements);
+ * the GIL is released meanwhile. Pointers are passed as integers (torch's data_ptr()); the Python side
+ * (kernels/cpu_native.py) checks devices, dtypes, contiguity and shapes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 128
+#define MAX_THREADS 256
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MULTIVERSION
+#endif
+
+static inline float f32_from_bits(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline uint32_t bits_from_f32(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+/* e4m3fn(clamp(q, -448, 448)): c10's fp8e4m3fn_from_fp32_value with the clamp folded in. |q| >= 448 gives
+ * 448 (0x7E), NaN gives 0x7F; below 2^-6 the subnormal grid (2^-9 steps) is reached by adding 2^14 in
+ * float32, whose rounding is round-half-to-even; above, the mantissa is rounded to 3 bits half-to-even. */
+static inline uint8_t e4m3fn_from_f32(float q) {
+    uint32_t b = bits_from_f32(q);
+    uint32_t sign = b & 0x80000000u;
+    uint32_t a = b ^ sign;
+    uint32_t sub = bits_from_f32(f32_from_bits(a) + 16384.0f) - (141u << 23);
+    uint32_t nrm = (a + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    uint32_t r = a < (121u << 23) ? sub : nrm;
+    r = a >= 0x43E00000u ? 0x7Eu : r; /* 448.0f and up, Inf included */
+    r = a > 0x7F800000u ? 0x7Fu : r;  /* NaN */
+    return (uint8_t)(r | (sign >> 24));
+}
+
+static inline float widen_bf16(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+/* one row: n elements, scale[j / cols_per_scale] for element j */
+MULTIVERSION static void quantize_row_bf16(const uint16_t *src, uint8_t *dst, int64_t n, const float *scale,
+                                           int64_t cols_per_scale) {
+    for (int64_t c0 = 0, s = 0; c0 < n; c0 += cols_per_scale, s++) {
+        const int64_t c1 = c0 + cols_per_scale < n ? c0 + cols_per_scale : n;
+        const float d = scale[s];
+        for (int64_t j = c0; j < c1; j++) dst[j] = e4m3fn_from_f32(widen_bf16(src[j]) / d);
+    }
+}
+
+MULTIVERSION static void quantize_row_f32(const float *src, uint8_t *dst, int64_t n, const float *scale,
+                                          int64_t cols_per_scale) {
+    for (int64_t c0 = 0, s = 0; c0 < n; c0 += cols_per_scale, s++) {
+        const int64_t c1 = c0 + cols_per_scale < n ? c0 + cols_per_scale : n;
+        const float d = scale[s];
+        for (int64_t j = c0; j < c1; j++) dst[j] = e4m3fn_from_f32(src[j] / d);
+    }
+}
+
+/* max |x| bits of a span, per 16-bit or 32-bit float: the bit patterns of non-negative floats order as the
+ * values do, and every NaN pattern sorts above Inf, so the result read back as a float is the amax (NaN if
+ * any element is NaN). */
+MULTIVERSION static uint32_t absmax_bits_bf16(const uint16_t *src, int64_t n) {
+    uint16_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint16_t a = src[j] & 0x7FFFu;
+        m = a > m ? a : m;
+    }
+    return (uint32_t)m << 16;
+}
+
+MULTIVERSION static uint32_t absmax_bits_f32(const uint32_t *src, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t a = src[j] & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* per-128-column-block running max of one row: m[cb] = max(m[cb], max |x| bits of the row's block cb) */
+MULTIVERSION static void absmax_blocks_bf16(const uint16_t *src, int64_t k, uint32_t *m) {
+    for (int64_t c0 = 0, cb = 0; c0 < k; c0 += BLOCK, cb++) {
+        const int64_t c1 = c0 + BLOCK < k ? c0 + BLOCK : k;
+        uint16_t v = 0;
+        for (int64_t j = c0; j < c1; j++) {
+            uint16_t a = src[j] & 0x7FFFu;
+            v = a > v ? a : v;
+        }
+        m[cb] = ((uint32_t)v << 16) > m[cb] ? ((uint32_t)v << 16) : m[cb];
+    }
+}
+
+MULTIVERSION static void absmax_blocks_f32(const uint32_t *src, int64_t k, uint32_t *m) {
+    for (int64_t c0 = 0, cb = 0; c0 < k; c0 += BLOCK, cb++) {
+        const int64_t c1 = c0 + BLOCK < k ? c0 + BLOCK : k;
+        uint32_t v = 0;
+        for (int64_t j = c0; j < c1; j++) {
+            uint32_t a = src[j] & 0x7FFFFFFFu;
+            v = a > v ? a : v;
+        }
+        m[cb] = v > m[cb] ? v : m[cb];
+    }
+}
+
+typedef struct {
+    const char *src;
+    uint8_t *dst;     /* quantize only */
+    float *out;       /* scales (quantize: read) or amaxes (amax: written) */
+    int dtype;        /* 0 bf16, 1 f32 */
+    int granularity;  /* 0 tensor, 1 channel, 2 block */
+    int64_t n_rows, k;
+    int64_t lo, hi;   /* this worker's range: elements (per tensor) or rows (per channel, per block row-blocks) */
+    uint32_t result;  /* per tensor amax bits of [lo, hi) */
+    int failed;       /* out of memory */
+} Work;
+
+static size_t elem_size(int dtype) { return dtype == 0 ? 2 : 4; }
+
+static uint32_t absmax_span(int dtype, const char *p, int64_t n) {
+    return dtype == 0 ? absmax_bits_bf16((const uint16_t *)p, n) : absmax_bits_f32((const uint32_t *)p, n);
+}
+
+static void quantize_row(int dtype, const char *p, uint8_t *dst, int64_t n, const float *scale, int64_t per) {
+    if (dtype == 0)
+        quantize_row_bf16((const uint16_t *)p, dst, n, scale, per);
+    else
+        quantize_row_f32((const float *)p, dst, n, scale, per);
+}
+
+static void *amax_worker(void *arg) {
+    Work *w = (Work *)arg;
+    const size_t es = elem_size(w->dtype);
+    const int64_t k = w->k;
+    if (w->granularity == 0) {
+        w->result = absmax_span(w->dtype, w->src + w->lo * es, w->hi - w->lo);
+    } else if (w->granularity == 1) {
+        for (int64_t r = w->lo; r < w->hi; r++) {
+            uint32_t m = absmax_span(w->dtype, w->src + r * k * es, k);
+            w->out[r] = f32_from_bits(m);
+        }
+    } else { /* lo, hi count row blocks */
+        const int64_t kb = (k + BLOCK - 1) / BLOCK;
+        uint32_t *m = malloc((kb > 0 ? kb : 1) * sizeof(uint32_t)); /* running maxima of one block row, as bits */
+        if (!m) {
+            w->failed = 1;
+            return NULL;
+        }
+        for (int64_t rb = w->lo; rb < w->hi; rb++) {
+            float *o = w->out + rb * kb;
+            memset(m, 0, kb * sizeof(uint32_t));
+            const int64_t r1 = (rb + 1) * BLOCK < w->n_rows ? (rb + 1) * BLOCK : w->n_rows;
+            for (int64_t r = rb * BLOCK; r < r1; r++) {
+                if (w->dtype == 0)
+                    absmax_blocks_bf16((const uint16_t *)(w->src + r * k * es), k, m);
+                else
+                    absmax_blocks_f32((const uint32_t *)(w->src + r * k * es), k, m);
+            }
+            for (int64_t cb = 0; cb < kb; cb++) o[cb] = f32_from_bits(m[cb]);
+        }
+        free(m);
+    }
+    return NULL;
+}
+
+static void *quantize_worker(void *arg) {
+    Work *w = (Work *)arg;
+    const size_t es = elem_size(w->dtype);
+    const int64_t k = w->k;
+    if (w->granularity == 0) {
+        quantize_row(w->dtype, w->src + w->lo * es, w->dst + w->lo, w->hi - w->lo, w->out, w->hi - w->lo);
+    } else if (w->granularity == 1) {
+        for (int64_t r = w->lo; r < w->hi; r++) quantize_row(w->dtype, w->src + r * k * es, w->dst + r * k, k, w->out + r, k);
+    } else {
+        const int64_t kb = (k + BLOCK - 1) / BLOCK;
+        for (int64_t r = w->lo; r < w->hi; r++)
+            quantize_row(w->dtype, w->src + r * k * es, w->dst + r * k, k, w->out + (r / BLOCK) * kb, BLOCK);
+    }
+    return NULL;
+}
+
+/* Split [0, total) into n_threads ranges (aligned to `align`) and run fn on each, the last in this thread. */
+static int run_split(void *(*fn)(void *), Work *base, int64_t total, int64_t align, int n_threads, Work *works) {
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS];
+    int64_t units = (total + align - 1) / align;
+    if (n_threads > units) n_threads = (int)(units > 0 ? units : 1);
+    for (int t = 0; t < n_threads; t++) {
+        works[t] = *base;
+        works[t].lo = units * t / n_threads * align;
+        works[t].hi = units * (t + 1) / n_threads * align;
+        if (works[t].hi > total) works[t].hi = total;
+        works[t].result = 0;
+        works[t].failed = 0;
+    }
+    for (int t = 0; t < n_threads - 1; t++) {
+        started[t] = pthread_create(&tids[t], NULL, fn, &works[t]) == 0;
+        if (!started[t]) fn(&works[t]); /* no thread to be had: do it here */
+    }
+    fn(&works[n_threads - 1]);
+    for (int t = 0; t < n_threads - 1; t++)
+        if (started[t]) pthread_join(tids[t], NULL);
+    for (int t = 0; t < n_threads; t++)
+        if (works[t].failed) return -1;
+    return n_threads;
+}
+
+static int parse(PyObject *args, Work *w, int *n_threads, int with_dst) {
+    unsigned long long src, dst = 0, out;
+    long long n_rows, k;
+    int ok;
+    if (with_dst)
+        ok = PyArg_ParseTuple(args, "KiiLLKKi", &src, &w->dtype, &w->granularity, &n_rows, &k, &out, &dst, n_threads);
+    else
+        ok = PyArg_ParseTuple(args, "KiiLLKi", &src, &w->dtype, &w->granularity, &n_rows, &k, &out, n_threads);
+    if (!ok) return 0;
+    if (w->dtype < 0 || w->dtype > 1 || w->granularity < 0 || w->granularity > 2 || n_rows < 0 || k < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad dtype code, granularity code or shape");
+        return 0;
+    }
+    w->src = (const char *)(uintptr_t)src;
+    w->dst = (uint8_t *)(uintptr_t)dst;
+    w->out = (float *)(uintptr_t)out;
+    w->n_rows = n_rows;
+    w->k = k;
+    if (*n_threads < 1) *n_threads = 1;
+    if (*n_threads > MAX_THREADS) *n_threads = MAX_THREADS;
+    return 1;
+}
+
+/* work units below which one thread does everything: thread start-up costs about as much as 256K elements */
+static int threads_for(int64_t numel, int n_threads) {
+    int64_t most = numel / (1 << 18);
+    return most < 1 ? 1 : (most < n_threads ? (int)most : n_threads);
+}
+
+static PyObject *py_amax(PyObject *self, PyObject *args) {
+    Work w, works[MAX_THREADS];
+    int n_threads;
+    (void)self;
+    if (!parse(args, &w, &n_threads, 0)) return NULL;
+    const int64_t numel = w.n_rows * w.k;
+    n_threads = threads_for(numel, n_threads);
+    int used = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (w.granularity == 0) {
+        used = run_split(amax_worker, &w, numel, 4096, n_threads, works);
+        uint32_t m = 0;
+        for (int t = 0; t < used; t++) m = works[t].result > m ? works[t].result : m;
+        w.out[0] = f32_from_bits(m);
+    } else if (w.granularity == 1) {
+        run_split(amax_worker, &w, w.n_rows, 1, n_threads, works);
+    } else {
+        used = run_split(amax_worker, &w, (w.n_rows + BLOCK - 1) / BLOCK, 1, n_threads, works);
+    }
+    Py_END_ALLOW_THREADS
+    if (used < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    Work w, works[MAX_THREADS];
+    int n_threads;
+    (void)self;
+    if (!parse(args, &w, &n_threads, 1)) return NULL;
+    const int64_t numel = w.n_rows * w.k;
+    n_threads = threads_for(numel, n_threads);
+    Py_BEGIN_ALLOW_THREADS
+    if (w.granularity == 0)
+        run_split(quantize_worker, &w, numel, 4096, n_threads, works);
+    else
+        run_split(quantize_worker, &w, w.n_rows, 1, n_threads, works);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"amax", py_amax, METH_VARARGS,
+     "amax(src, dtype, granularity, n_rows, k, out, n_threads): max |x| per group into float32 out."},
+    {"quantize", py_quantize, METH_VARARGS,
+     "quantize(src, dtype, granularity, n_rows, k, scale, dst, n_threads): e4m3fn bytes into dst."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fp8", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__cpu_fp8(void) { return PyModule_Create(&module); }

@@ -1,0 +1,154 @@
+"""The native CPU kernels (kernels/_cpu_fp8.c) against torch's own float8 cast and float32 reductions."""
+
+import shlex
+import shutil
+import sysconfig
+
+import pytest
+import torch
+
+from layerwise import kernels
+from layerwise.kernels import cpu_native, reference
+
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _own_cast(x, expanded_scale):
+    """torch's own formula, the independent reference: clamp(float32(x) / scale) cast to e4m3fn."""
+    return (x.float() / expanded_scale).clamp(-448, 448).to(FP8)
+
+
+def _expand(scale, granularity, shape):
+    if granularity == "tensor":
+        return scale.reshape(())
+    if granularity == "channel":
+        return scale
+    return scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
+
+
+def _every_bf16():
+    """All 65536 bfloat16 bit patterns (NaNs, +-Inf, subnormals, both zeros) as a [256, 256] tensor."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+
+
+def _compiler_present() -> bool:
+    cc = sysconfig.get_config_var("CC") or "cc"
+    return shutil.which(shlex.split(cc)[0]) is not None
+
+
+native = pytest.mark.skipif(not cpu_native.available(), reason="the _cpu_fp8 extension is not built")
+
+
+def test_extension_is_built_where_a_compiler_is():
+    # an install on a machine with a C compiler must build it: otherwise the fast path silently is the reference
+    if not _compiler_present():
+        pytest.skip("no C compiler: the extension is optional and the torch reference runs")
+    assert cpu_native.available(), "kernels/_cpu_fp8.c was not built: reinstall with `pip install -e .`"
+
+
+@native
+def test_every_bf16_pattern_quantizes_as_torch_casts():
+    x = _every_bf16()
+    finite = x.float().isfinite()
+    scales = [1.0, 448.0 / 3e38, torch.finfo(torch.float32).tiny, 2.0**-133, 1e-3, 0.37, 7.0, 2.0**100, 3e38 / 448]
+    g = torch.Generator().manual_seed(0)
+    scales += torch.exp(torch.empty(64).uniform_(-85, 85, generator=g)).tolist()
+    for s in scales:
+        scale = torch.tensor(s, dtype=torch.float32)
+        got = cpu_native.quantize(x, scale, "tensor")
+        assert torch.equal(_bits(got), _bits(_own_cast(x, scale))), s
+    # per channel: a different scale per row; per block: 2 x 2 blocks
+    row_scales = torch.exp(torch.empty(256, 1).uniform_(-60, 60, generator=g))
+    assert torch.equal(_bits(cpu_native.quantize(x, row_scales, "channel")), _bits(_own_cast(x, row_scales)))
+    block_scales = torch.exp(torch.empty(2, 2).uniform_(-60, 60, generator=g))
+    want = _own_cast(x, _expand(block_scales, "block", x.shape))
+    assert torch.equal(_bits(cpu_native.quantize(x, block_scales, "block")), _bits(want))
+    assert bool(finite.any())
+
+
+@native
+def test_float32_rounding_ties_and_edges_quantize_as_torch_casts():
+    # every e4m3 value's neighbourhood: the exact midpoints between grid points (ties to even), an ulp either
+    # side, the subnormal grid (2^-9 steps), values at and above 448 and 464, and the specials
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    ulp = lambda v, d: torch.nextafter(v, torch.full_like(v, d))
+    vals = torch.cat([grid, mids, ulp(mids, 1e9), ulp(mids, -1e9), torch.tensor([448.0, 463.99, 464.0, 464.01, 479.9])])
+    vals = torch.cat([vals, -vals, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, 3e38])])
+    x = vals.reshape(1, -1).contiguous()
+    for s in (1.0, 0.5, 2.0**-10, 3.0):
+        scale = torch.tensor(s)
+        want = _own_cast(x * s, scale)  # * s then / s is exact for powers of two; 3.0 checks a real division
+        assert torch.equal(_bits(cpu_native.quantize((x * s).contiguous(), scale, "tensor")), _bits(want)), s
+
+
+@native
+@pytest.mark.parametrize("granularity", reference.GRANULARITIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_amax_and_quantize_of_a_ragged_weight_split_over_threads(granularity, dtype, threads):
+    # 1030 x 1100: ragged in both dims for 128-blocks, and > 2^19 elements so 3 threads each get a range
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(1030, 1100, generator=g) * 0.02).to(dtype)
+    w[1029, 1099] = -1.5  # the last element is the largest: the last thread's range must count
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        amax = cpu_native.amax(w, granularity)
+        a = w.float().abs()
+        if granularity == "tensor":
+            want = a.amax()
+        elif granularity == "channel":
+            want = a.amax(dim=1, keepdim=True)
+        else:
+            p = torch.nn.functional.pad(a, (0, -1100 % 128, 0, -1030 % 128))
+            want = p.view(p.shape[0] // 128, 128, p.shape[1] // 128, 128).amax(dim=(1, 3))
+        assert amax.shape == want.shape and torch.equal(amax, want)
+        scale = reference.scale_from_amax(want)
+        q = cpu_native.quantize(w, scale, granularity)
+        assert torch.equal(_bits(q), _bits(_own_cast(w, _expand(scale, granularity, w.shape))))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@native
+@pytest.mark.parametrize("granularity", reference.GRANULARITIES)
+def test_amax_of_nan_and_inf_groups(granularity):
+    w = torch.ones(256, 384, dtype=torch.bfloat16)
+    w[3, 5], w[200, 300] = float("nan"), -float("inf")
+    amax = cpu_native.amax(w, granularity).reshape(-1)
+    if granularity == "tensor":
+        assert amax.isnan().all()
+    elif granularity == "channel":
+        assert amax[3].isnan() and amax[200] == float("inf") and (amax[[0, 4, 255]] == 1).all()
+    else:  # blocks (0, 0) and (1, 2)
+        assert amax[0].isnan() and amax[5] == float("inf") and (amax[[1, 2, 3, 4]] == 1).all()
+    assert kernels.has_non_finite(w) and not kernels.has_non_finite(torch.ones(3, dtype=torch.bfloat16))
+
+
+@native
+def test_dispatch_takes_the_native_path_and_writes_out_in_place(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(300, 200, generator=g).bfloat16()
+    q, scale = kernels.fp8_quantize_weight(w, "block")
+    expert = torch.zeros(2, 300, 200, dtype=FP8)
+    got = kernels.fp8_quantize(w, scale, out=expert[1])
+    assert got.data_ptr() == expert[1].data_ptr() and torch.equal(_bits(expert[1]), _bits(q))
+    calls = []
+    monkeypatch.setattr(cpu_native, "quantize", lambda *a, **k: calls.append(1))
+    kernels.fp8_quantize(w, scale)  # bf16, contiguous, CPU: native
+    kernels.fp8_quantize(w.t(), scale.t().contiguous())  # not contiguous: the reference
+    kernels.fp8_quantize(w.half(), scale)  # float16: the reference
+    assert calls == [1]
+
+
+def test_without_the_extension_the_reference_runs(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_cpu_fp8", None)
+    w = torch.randn(40, 300, generator=torch.Generator().manual_seed(7)).bfloat16()
+    q, scale = kernels.fp8_quantize_weight(w, "channel")
+    assert torch.equal(_bits(q), _bits(_own_cast(w, scale)))
