@@ -12,13 +12,12 @@
  *
  * Inputs: bfloat16 (dtype code 0) or float32 (code 1), row-major [n_rows, k]. Granularity codes: 0 per
  * tensor (one scale), 1 per channel (one scale per row), 2 per 128 x 128 block (scales [ceil(n/128),
- * ceil(k/128)] row-major). Work is split over n_threads POSIX threads by rows (per tensor: by elements);
+ * ceil(k/128)] row-major). Work is split over n_threads OpenMP threads by rows (per tensor: by elements);
  * the GIL is released meanwhile. Pointers are passed as integers (torch's data_ptr()); the Python side
  * (kernels/cpu_native.py) checks devices, dtypes, contiguity and shapes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -202,10 +201,11 @@ static void *quantize_worker(void *arg) {
     return NULL;
 }
 
-/* Split [0, total) into n_threads ranges (aligned to `align`) and run fn on each, the last in this thread. */
+/* Split [0, total) into n_threads ranges (aligned to `align`) and run fn on each. The threads are OpenMP's:
+ * linked against libgomp.so.1, the extension binds to the libgomp torch already loaded (same soname), so
+ * the work runs on torch's own intra-op threads. Threads of our own would compete with those, which spin
+ * for a while after each torch op: measured here, a second pthread then gained nothing. */
 static int run_split(void *(*fn)(void *), Work *base, int64_t total, int64_t align, int n_threads, Work *works) {
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS];
     int64_t units = (total + align - 1) / align;
     if (n_threads > units) n_threads = (int)(units > 0 ? units : 1);
     for (int t = 0; t < n_threads; t++) {
@@ -216,13 +216,8 @@ static int run_split(void *(*fn)(void *), Work *base, int64_t total, int64_t ali
         works[t].result = 0;
         works[t].failed = 0;
     }
-    for (int t = 0; t < n_threads - 1; t++) {
-        started[t] = pthread_create(&tids[t], NULL, fn, &works[t]) == 0;
-        if (!started[t]) fn(&works[t]); /* no thread to be had: do it here */
-    }
-    fn(&works[n_threads - 1]);
-    for (int t = 0; t < n_threads - 1; t++)
-        if (started[t]) pthread_join(tids[t], NULL);
+#pragma omp parallel for num_threads(n_threads) schedule(static, 1)
+    for (int t = 0; t < n_threads; t++) fn(&works[t]);
     for (int t = 0; t < n_threads; t++)
         if (works[t].failed) return -1;
     return n_threads;

@@ -9,12 +9,15 @@ its per-channel amax takes 8.7 ms; the native kernels take 5.2-5.8 ms and 1.8-2.
 
 The extension is compiled by ``pip install`` (a C compiler and the Python headers; no torch headers, so
 it builds in about a second) and is optional: where it could not be built, :func:`available` is False and
-the torch reference runs instead. Work is split over ``torch.get_num_threads()`` threads, the GIL released.
+the torch reference runs instead. Work is split over ``torch.get_num_threads()`` OpenMP threads, the GIL
+released: the extension links libgomp.so.1, which resolves to the copy torch loaded, so it runs on torch's
+own intra-op threads (threads of its own would compete with those, which spin after every torch op).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from layerwise.kernels.reference import FP8_DTYPE, scale_shape
 
@@ -36,25 +39,31 @@ def supports(w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     """Whether the native kernels can take ``w`` (and write ``out``): built; a plain (not a subclass, not
     fake) contiguous non-empty bfloat16 or float32 CPU tensor; ``out`` None or a contiguous float8_e4m3fn
     CPU tensor of w's shape."""
-    plain = (torch.Tensor, torch.nn.Parameter)
     return (
         _cpu_fp8 is not None
+        and not torch.compiler.is_compiling()
+        and _plain(w)
         and w.device.type == "cpu"
         and w.dtype in DTYPE_CODES
         and w.numel() > 0
         and w.is_contiguous()
-        and type(w) in plain
         and (
             out is None
             or (
-                out.device.type == "cpu"
+                _plain(out)
+                and out.device.type == "cpu"
                 and out.dtype == FP8_DTYPE
                 and out.shape == w.shape
                 and out.is_contiguous()
-                and type(out) in plain
             )
         )
     )
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor whose data_ptr is its elements: a plain tensor or parameter (typed parameters included), not a
+    fake tensor or a subclass that wraps inner tensors."""
+    return type(t) is torch.Tensor or (isinstance(t, torch.nn.Parameter) and not is_traceable_wrapper_subclass(t))
 
 
 def _rows(w: torch.Tensor, granularity: str) -> tuple[int, int]:

@@ -36,6 +36,9 @@ class QuantMethod:
     #: the checkpoint-format weight: the session may then materialize it in a reused staging buffer
     #: (see layerwise.reload.meta.StagingBuffer). Anything else that aliases the buffer is copied out.
     replaces_weight = False
+    #: True when the kernel tensors ARE the checkpoint-format parameters (processing only checks them): a
+    #: non-atomic reload then replays the module's loads straight into the live tensors, with no staging copy.
+    checkpoint_format = False
 
     def create_weights(
         self,
@@ -67,9 +70,15 @@ class QuantMethod:
             TensorParallelError: the shard does not fit the method's layout (default: never).
         """
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
         """Turn the loaded checkpoint-format parameters into kernel tensors (in place on ``layer``).
 
+        Args:
+            into: on a non-atomic reload, the live model's kernel tensors by name. A method may write a result
+                straight into the matching tensor (and register that tensor's storage on ``layer``) instead of
+                allocating a new one, saving the allocation and the copy the session would make; it must do
+                so only after every check that can raise, as that write is the reload's point of no return.
+                None on a first load and an atomic reload. Ignoring it is always correct.
         Raises:
             NonFiniteWeightError: a weight holds NaN or Inf.
         """
@@ -84,8 +93,9 @@ class UnquantizedLinearMethod(QuantMethod):
     """Weights stay in the dtype they were created in; forward is ``F.linear``."""
 
     name = "none"
+    checkpoint_format = True
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
         check_finite(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

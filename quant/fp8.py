@@ -56,7 +56,6 @@ from layerwise.kernels import (
     fp8_amax,
     fp8_dequantize,
     fp8_quantize,
-    fp8_quantize_weight,
     scale_from_amax,
 )
 from layerwise.kernels.reference import activation_scale, quantize
@@ -151,8 +150,11 @@ class Fp8LinearMethod(QuantMethod):
         self._scaled_mm: dict[torch.dtype, bool] = {}  # per activation dtype, decided at its first forward
         self.name = f"fp8-per-{granularity}"
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
         """Quantize ``layer.weight`` [out, in] to float8_e4m3fn and register its float32 scale.
+
+        With ``into`` (a non-atomic reload), the FP8 bytes are written straight into the live ``weight`` after
+        the scale is known (so after the NaN/Inf checks); the scale, a few bytes, is left to the session's copy.
 
         Raises:
             NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
@@ -169,10 +171,14 @@ class Fp8LinearMethod(QuantMethod):
                 self.amax_reduce(torch.full_like(amax, float("inf")))
                 raise
             scale = scale_from_amax(self.amax_reduce(amax))  # max over ranks; +Inf from any rank raises on all
-            q = fp8_quantize(w, scale, self.kernel)
         else:
             check_finite(layer, skip=("weight",))  # the weight's own check is its amax
-            q, scale = fp8_quantize_weight(layer.weight.data, self.granularity, self.kernel)
+            scale = scale_from_amax(fp8_amax(layer.weight.data, self.granularity, self.kernel))
+        target = (into or {}).get("weight")
+        w = layer.weight
+        fits = target is not None and (target.shape, target.dtype, target.device) == (w.shape, FP8_DTYPE, w.device)
+        # the scale comes from the weight's own amax (or a max over ranks), so the reference may skip its clamp
+        q = fp8_quantize(layer.weight.data, scale, self.kernel, within_range=True, out=target.data if fits else None)
         del layer.weight
         layer.weight = nn.Parameter(q, requires_grad=False)
         scale = scale.reshape(1) if self.granularity == "tensor" else scale

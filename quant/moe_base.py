@@ -80,9 +80,10 @@ class FusedMoEMethodBase:
         """
         raise NotImplementedError
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
         """Whole-layer processing (a layer loaded outside a layerwise session): expert by expert into
-        freshly allocated kernel tensors, which then replace the checkpoint-format parameters.
+        freshly allocated kernel tensors, which then replace the checkpoint-format parameters (``into`` is not
+        used: a session processes MoE layers expert by expert, straight into the kernel tensors).
 
         Raises:
             NonFiniteWeightError: a weight holds NaN or Inf.

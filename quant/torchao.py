@@ -372,8 +372,9 @@ class TorchaoLinearMethod(QuantMethod):
             )
         return quantized
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Replace ``layer.weight`` [N, K] by :meth:`quantize_rows` of it.
+    def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
+        """Replace ``layer.weight`` [N, K] by :meth:`quantize_rows` of it (``into`` is not used: torchao makes
+        its own tensor subclasses).
 
         Raises:
             NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.

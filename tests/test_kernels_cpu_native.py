@@ -2,6 +2,7 @@
 
 import shlex
 import shutil
+import sys
 import sysconfig
 
 import pytest
@@ -152,3 +153,13 @@ def test_without_the_extension_the_reference_runs(monkeypatch):
     w = torch.randn(40, 300, generator=torch.Generator().manual_seed(7)).bfloat16()
     q, scale = kernels.fp8_quantize_weight(w, "channel")
     assert torch.equal(_bits(q), _bits(_own_cast(w, scale)))
+
+
+@native
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_extension_runs_on_torchs_openmp_runtime():
+    # a second libgomp would bring its own thread team, competing with torch's spinning threads
+    cpu_native.quantize(torch.ones(1024, 1024, dtype=torch.bfloat16), torch.ones(()), "tensor")
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line or "libomp" in line}
+    assert len(runtimes) <= 1, runtimes

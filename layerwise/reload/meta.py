@@ -105,15 +105,20 @@ def empty_like_metas(
 
 
 def materialize_layer(
-    layer: nn.Module, info: LayerReloadingInfo, device: torch.device, staging: StagingBuffer | None = None
+    layer: nn.Module,
+    info: LayerReloadingInfo,
+    device: torch.device,
+    staging: StagingBuffer | None = None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Give the layer uninitialized checkpoint-format parameters on ``device``.
 
     Each new parameter has the type, shape, dtype and layout of its meta counterpart and the
     original (unwrapped) weight loader, so replayed loads write real memory. With ``staging`` the
-    memory is the staging buffer's (reused by the next module), else fresh.
+    memory is the staging buffer's (reused by the next module); with ``into`` (tensors of the metas'
+    names, shapes and dtypes: the live kernel tensors) it is theirs; else fresh.
     """
     metas = info.restore_metadata
-    data = empty_like_metas(metas, device, staging)
+    data = {n: into[n].data for n in metas} if into is not None else empty_like_metas(metas, device, staging)
     fresh = {name: meta.with_data(data[name], weight_loader=info.weight_loaders[name]) for name, meta in metas.items()}
     set_layer_tensors(layer, fresh)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from layerwise.errors import DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError, ReloadError
 from layerwise.kernels import has_non_finite
@@ -362,11 +363,17 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
     if missing:  # load_numel reached the total although regions are missing: cannot happen without doubles
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
     quant_method = getattr(module, "quant_method", None)
-    # staged (CPU): what processing replaces (an FP8 method's weight); on a non-atomic reload every module,
-    # whose processed values are copied into the kernel tensors right away (an atomic one keeps them)
-    replaced = quant_method is not None and quant_method.replaces_weight
-    staging = session.staging if replaced or (info.kernel_tensors and not session.atomic) else None
-    materialize_layer(module, info, session.device, staging)
+    live = info.kernel_tensors if info.kernel_tensors and not session.atomic else None  # written right away
+    if live is not None and _loads_into_kernel_tensors(module, info):
+        # processing only checks these parameters: the loads are replayed straight into the live tensors
+        materialize_layer(module, info, session.device, into=live)
+        info.in_place = True
+    else:
+        # staged (CPU): what processing replaces (an FP8 method's weight); on a non-atomic reload every module,
+        # whose processed values are copied into the kernel tensors right away (an atomic one keeps them)
+        replaced = quant_method is not None and quant_method.replaces_weight
+        staging = session.staging if replaced or live is not None else None
+        materialize_layer(module, info, session.device, staging)
     nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
     for buffered in info.loaded_weights:
@@ -375,7 +382,7 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         )
     try:
         if quant_method is not None:
-            quant_method.process_weights_after_loading(module)
+            quant_method.process_weights_after_loading(module, into=live)
         else:
             check_finite(module)
     except NonFiniteWeightError as e:
@@ -384,13 +391,14 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
             f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
             key=_find_non_finite_key(info.loaded_weights),
         ) from e
-    if info.kernel_tensors and not session.atomic:  # copied into the kernel tensors: nothing keeps the buffer
+    if live is not None:  # copied into the kernel tensors: nothing keeps the buffer
         processed = layer_tensors(module)
         _check_kernel_format(info, processed)
+        info.in_place = info.in_place or any(_same_memory(t, live[n]) for n, t in processed.items())
         _commit(module, info, processed)
     else:
-        if staging is not None:
-            staging.release(module)  # the next module reuses the buffer: copy out what still lives there (a bias)
+        if session.staging is not None:
+            session.staging.release(module)  # the next module reuses the buffer: copy out what lives there (a bias)
         processed = layer_tensors(module)
         if info.kernel_tensors:  # atomic: committed at finalize
             _check_kernel_format(info, processed)
@@ -417,11 +425,41 @@ def _check_kernel_format(info: LayerReloadingInfo, processed: dict[str, torch.Te
             )
 
 
+def _loads_into_kernel_tensors(module: nn.Module, info: LayerReloadingInfo) -> bool:
+    """Whether the module's kernel tensors are its checkpoint-format parameters (no quant method, or one whose
+    ``checkpoint_format`` says processing only checks them), same names, shapes and dtypes, none a tensor
+    subclass: a non-atomic reload can then replay the loads into them directly."""
+    quant_method = getattr(module, "quant_method", None)
+    if quant_method is not None and not quant_method.checkpoint_format:
+        return False
+    metas, live = info.restore_metadata, info.kernel_tensors
+    if set(metas) != set(live):
+        return False
+    for name, meta in metas.items():
+        t = live[name]
+        if is_traceable_wrapper_subclass(t):  # its data is in inner tensors, not in t's own storage
+            return False
+        if (t.shape, t.dtype) != (meta.shape, meta.dtype) or not t.is_contiguous():
+            return False
+    return True
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same storage (a copy between them is a no-op);
+    never for tensor subclasses that wrap inner tensors (torchao's), whose own data_ptr says nothing."""
+    if is_traceable_wrapper_subclass(a) or is_traceable_wrapper_subclass(b):
+        return False
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 def _commit(module: nn.Module, info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
-    """Copy processed values into the kernel tensors' storage and put those objects back."""
+    """Copy processed values into the kernel tensors' storage (unless already written there) and put those
+    objects back."""
     with torch.no_grad():
         for name, new in processed.items():
-            info.kernel_tensors[name].copy_(new)
+            old = info.kernel_tensors[name]
+            if not _same_memory(new, old):
+                old.copy_(new)
     set_layer_tensors(module, info.kernel_tensors)
 
 
@@ -468,7 +506,7 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     for prefix, module in session.modules.items():
         info = get_layerwise_info(module)
         if info.kernel_tensors:
-            written = (info.done or info.units_started) and not session.atomic  # units: written into them
+            written = (info.done or info.units_started or info.in_place) and not session.atomic  # written into
             if written and prefix not in updated:
                 updated.append(prefix)
             set_layer_tensors(module, info.kernel_tensors)

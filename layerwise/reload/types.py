@@ -68,6 +68,8 @@ class LayerReloadingInfo:
         units_done: units processed in this session; the module is done at ``units_total``.
         units_started: a unit's processing began in this session: its kernel tensors may be partly
             overwritten even if that unit failed (a non-atomic reload reports the module as updated).
+        in_place: a non-atomic reload wrote the module's kernel tensors directly (its loads replayed
+            into them, or its quant method wrote ``into`` them): overwritten even if a check then failed.
     """
 
     prefix: str
@@ -86,6 +88,7 @@ class LayerReloadingInfo:
     units_done: int = 0
     units_started: bool = False
     units_total: int = 0
+    in_place: bool = False
     session: ReloadSession | None = None
 
     def reset(self) -> None:
@@ -98,6 +101,7 @@ class LayerReloadingInfo:
         self.units = {}
         self.unit_targets = {}
         self.units_done = 0
+        self.in_place = False
         self.units_started = False
 
 

@@ -1,0 +1,96 @@
+"""A non-atomic reload writes the live tensors directly: loads replayed into unquantized modules' kernel
+tensors, FP8 bytes quantized into the live weight; what that overwrote is reported when a check then fails."""
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.api import model_digest
+from layerwise.reload import staging_bytes
+from tests.hf_checkpoints import write_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("in-place")
+    return (
+        write_hf_checkpoint(root / "a", "Qwen3ForCausalLM", seed=0, num_layers=3),
+        write_hf_checkpoint(root / "b", "Qwen3ForCausalLM", seed=1, num_layers=3),
+    )
+
+
+def _bytes(t):
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _with_nan(name):
+    def stream(path):
+        for key, t in layerwise.checkpoint.Checkpoint(path):
+            yield (
+                key,
+                (
+                    t.clone().view(-1).index_fill_(0, torch.tensor([5]), float("nan")).view(t.shape)
+                    if key == name
+                    else t
+                ),
+            )
+
+    return stream
+
+
+def test_unquantized_reload_replays_loads_into_the_live_tensors(pair):
+    a, b = pair
+    model = layerwise.load_model(a, quantization=None)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    layerwise.reload_weights(model, b)
+    assert staging_bytes(model) == 0  # nothing was staged: every module's loads went straight into its tensors
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    fresh = layerwise.load_model(b, quantization=None).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(_bytes(t), _bytes(fresh[name])), name
+
+
+def test_nan_in_an_unquantized_module_is_reported_as_written(pair):
+    a, b = pair
+    key = "model.layers.2.mlp.up_proj.weight"
+    model = layerwise.load_model(a, quantization=None)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, _with_nan(key)(b))
+    # the module's loads were written into the live tensor before its finiteness check: it is reported updated
+    assert "model.layers.2.mlp.gate_up_proj" in e.value.updated_modules
+    assert isinstance(e.value.cause, layerwise.NonFiniteWeightError) and e.value.key == key
+    assert torch.isnan(model.model.layers[2].mlp.gate_up_proj.weight).any()
+    # atomic: staged, so nothing is written
+    model = layerwise.load_model(a, quantization=None)
+    before = model_digest(model)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, _with_nan(key)(b), atomic=True)
+    assert e.value.updated_modules == [] and model_digest(model) == before
+
+
+@pytest.mark.parametrize("scheme", ["fp8-per-tensor", "fp8-per-block"])
+def test_fp8_reload_quantizes_into_the_live_weight(pair, scheme, monkeypatch):
+    import layerwise.quant.fp8 as fp8
+
+    a, b = pair
+    model = layerwise.load_model(a, quantization=scheme)
+    live = {p.data_ptr() for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    targets = []
+    quantize = fp8.fp8_quantize
+
+    def recording(w, scale, kernel="torch", **kwargs):
+        q = quantize(w, scale, kernel, **kwargs)
+        targets.append(q.data_ptr())
+        return q
+
+    monkeypatch.setattr(fp8, "fp8_quantize", recording)
+    layerwise.reload_weights(model, b)
+    assert targets and set(targets) == live  # every FP8 weight written where it lives, none into a new tensor
+    fresh = layerwise.load_model(b, quantization=scheme).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(_bytes(t), _bytes(fresh[name])), name
+    # a NaN is found by the amax, before the live weight is written: not reported as updated
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, _with_nan("model.layers.2.mlp.up_proj.weight")(a))
+    assert "model.layers.2.mlp.gate_up_proj" not in e.value.updated_modules
+    assert not torch.isnan(model.model.layers[2].mlp.gate_up_proj.weight.float()).any()
