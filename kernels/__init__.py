@@ -59,6 +59,18 @@ def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch"
     return reference.amax(w, granularity)
 
 
+def fp8_scale(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch") -> torch.Tensor:
+    """The e4m3 scale(s) of ``w``: :func:`scale_from_amax` of :func:`fp8_amax` (float32, :func:`scale_shape`).
+
+    Raises:
+        NonFiniteWeightError: ``w`` holds NaN or Inf.
+    """
+    if kernel != "triton" and cpu_native.supports(w):
+        scale_shape(w.shape, granularity)  # the reference's ValueError for a bad granularity or shape
+        return cpu_native.scale(w, granularity)
+    return scale_from_amax(fp8_amax(w, granularity, kernel))
+
+
 def fp8_quantize(
     w: torch.Tensor,
     scale: torch.Tensor,
@@ -107,7 +119,7 @@ def fp8_quantize_weight(
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
-    scale = scale_from_amax(fp8_amax(w, granularity, kernel))
+    scale = fp8_scale(w, granularity, kernel)
     # the scale comes from w's own amax, so |w| / scale < 464: the reference may skip its clamp
     return fp8_quantize(w, scale, kernel, within_range=True), scale
 
@@ -123,6 +135,7 @@ __all__ = [
     "fp8_dequantize",
     "fp8_quantize",
     "fp8_quantize_weight",
+    "fp8_scale",
     "resolve_kernel",
     "scale_from_amax",
     "scale_layout",

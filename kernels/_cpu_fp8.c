@@ -292,11 +292,36 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* amax -> scale in place, as kernels/reference.py's scale_from_amax: amax / 448 (IEEE float32 division), never
+ * below float32's smallest normal, 1.0 where amax == 0. Returns how many entries were NaN or Inf (left as
+ * they were); the caller raises if any. */
+static PyObject *py_scale_from_amax(PyObject *self, PyObject *args) {
+    unsigned long long ptr;
+    long long count;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KL", &ptr, &count)) return NULL;
+    float *a = (float *)(uintptr_t)ptr;
+    long long non_finite = 0;
+    for (long long i = 0; i < count; i++) {
+        const float v = a[i];
+        if (!(v <= 3.40282347e38f)) { /* NaN or Inf (amaxes are never negative) */
+            non_finite++;
+            continue;
+        }
+        float s = v / 448.0f;
+        s = s < 1.17549435e-38f ? 1.17549435e-38f : s;
+        a[i] = v > 0.0f ? s : 1.0f;
+    }
+    return PyLong_FromLongLong(non_finite);
+}
+
 static PyMethodDef methods[] = {
     {"amax", py_amax, METH_VARARGS,
      "amax(src, dtype, granularity, n_rows, k, out, n_threads): max |x| per group into float32 out."},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(src, dtype, granularity, n_rows, k, scale, dst, n_threads): e4m3fn bytes into dst."},
+    {"scale_from_amax", py_scale_from_amax, METH_VARARGS,
+     "scale_from_amax(ptr, count): float32 amaxes -> scales in place; returns the count of non-finite ones."},
     {NULL, NULL, 0, NULL},
 };
 

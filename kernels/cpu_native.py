@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels.reference import FP8_DTYPE, scale_shape
 
 try:
@@ -81,6 +82,19 @@ def amax(w: torch.Tensor, granularity: str) -> torch.Tensor:
     n, k = _rows(w, granularity)
     code = GRANULARITY_CODES[granularity]
     _cpu_fp8.amax(w.data_ptr(), DTYPE_CODES[w.dtype], code, n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def scale(w: torch.Tensor, granularity: str) -> torch.Tensor:
+    """:func:`reference.scale_from_amax` of :func:`amax`, the scale computed in the extension (one call
+    instead of six small torch ops: about 140 us an expert of an MoE layer, 128 experts a layer).
+
+    Raises:
+        NonFiniteWeightError: ``w`` holds NaN or Inf.
+    """
+    out = amax(w, granularity)
+    if _cpu_fp8.scale_from_amax(out.data_ptr(), out.numel()):
+        raise NonFiniteWeightError("tensor holds NaN or Inf (non-finite amax)")
     return out
 
 

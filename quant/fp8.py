@@ -56,6 +56,7 @@ from layerwise.kernels import (
     fp8_amax,
     fp8_dequantize,
     fp8_quantize,
+    fp8_scale,
     scale_from_amax,
 )
 from layerwise.kernels.reference import activation_scale, quantize
@@ -173,7 +174,7 @@ class Fp8LinearMethod(QuantMethod):
             scale = scale_from_amax(self.amax_reduce(amax))  # max over ranks; +Inf from any rank raises on all
         else:
             check_finite(layer, skip=("weight",))  # the weight's own check is its amax
-            scale = scale_from_amax(fp8_amax(layer.weight.data, self.granularity, self.kernel))
+            scale = fp8_scale(layer.weight.data, self.granularity, self.kernel)
         target = (into or {}).get("weight")
         w = layer.weight
         fits = target is not None and (target.shape, target.dtype, target.device) == (w.shape, FP8_DTYPE, w.device)

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, cpu_native, fp8_amax, fp8_quantize, scale_from_amax
+from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, cpu_native, fp8_quantize, fp8_scale
 from layerwise.kernels.reference import quantize_widened
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
@@ -128,7 +128,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             NonFiniteWeightError: ``weight`` holds NaN or Inf (raised by the scale, before any write).
         """
         g, (n, k) = self.granularity, weight.shape
-        scale = scale_from_amax(fp8_amax(weight, g, self.kernel))  # whole expert; raises before any write
+        scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
         q = kernel_tensors[param_name].data[expert_id]
         if self.kernel == "torch" and cpu_native.supports(weight, q):  # one fused pass, no work buffer
             fp8_quantize(weight, scale, out=q)

@@ -8,6 +8,7 @@ import sysconfig
 import pytest
 import torch
 
+import layerwise
 from layerwise import kernels
 from layerwise.kernels import cpu_native, reference
 
@@ -163,3 +164,24 @@ def test_the_extension_runs_on_torchs_openmp_runtime():
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line or "libomp" in line}
     assert len(runtimes) <= 1, runtimes
+
+
+@native
+def test_scale_equals_the_recipe_for_zero_tiny_and_huge_amaxes():
+    # one row per amax: 0 (scale 1.0), below 448 * tiny (clamped to tiny), subnormal, ordinary, near max
+    g = torch.Generator().manual_seed(8)
+    amaxes = torch.cat(
+        [
+            torch.tensor([0.0, 1e-45, 1e-40, 448 * 1.17e-38, 5e-36, 3.4e38]),
+            torch.exp(torch.empty(250).uniform_(-87, 88, generator=g)),
+        ]
+    )
+    w = torch.zeros(len(amaxes), 3)
+    w[:, 1] = -amaxes
+    want = torch.clamp(amaxes / torch.tensor(448.0), min=torch.finfo(torch.float32).tiny)  # the recipe, in torch
+    want = torch.where(amaxes > 0, want, torch.ones_like(want))[:, None]
+    assert torch.equal(cpu_native.scale(w, "channel"), want)
+    assert torch.equal(kernels.fp8_scale(w, "channel"), want)
+    w[7, 2] = float("inf")
+    with pytest.raises(layerwise.NonFiniteWeightError):
+        cpu_native.scale(w, "channel")
