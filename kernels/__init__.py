@@ -95,6 +95,58 @@ def fp8_quantize(
     return reference.quantize(w, scale, out, within_range=within_range)
 
 
+def pieces_fit(shape: torch.Size | tuple, spans: list[tuple[int, int]], granularity: str) -> bool:
+    """Whether a weight of ``shape`` given as pieces at flat element ``spans`` [(offset, numel)] can be quantized
+    piece by piece at ``granularity`` (:func:`fp8_quantize_pieces`): per tensor always; per channel when every
+    piece is whole rows; per block when every piece is whole 128-row blocks (the last may be ragged)."""
+    if granularity == "tensor":
+        return True
+    if len(shape) != 2:
+        return False
+    n, k = shape
+    rows = k if granularity == "channel" else BLOCK_SIZE[0] * k
+    return all(off % rows == 0 and (numel % rows == 0 or off + numel == n * k) for off, numel in spans)
+
+
+def fp8_quantize_pieces(
+    pieces: list[tuple[int, torch.Tensor]], shape: torch.Size | tuple, granularity: str, out: torch.Tensor, kernel: str
+) -> torch.Tensor:
+    """Quantize a weight that is given as contiguous pieces, without assembling it: the scale(s) from every
+    piece's amax, then each piece straight into its region of ``out``. Bytes and scales equal
+    :func:`fp8_quantize_weight` of the assembled weight (amax is a max, so it composes exactly).
+
+    Args:
+        pieces: (flat element offset, contiguous tensor) covering ``shape`` exactly once, each on out's device;
+            they must fit the granularity (:func:`pieces_fit`).
+        shape: the weight's shape ([N, K] for "channel" and "block").
+        out: contiguous float8_e4m3fn tensor of ``shape``, written only after every piece's amax is known.
+    Returns:
+        the float32 scale, shaped as :func:`scale_shape`.
+    Raises:
+        NonFiniteWeightError: a piece holds NaN or Inf (nothing is written).
+    """
+    flat = out.view(-1)
+    if granularity == "tensor":
+        amax = torch.stack([fp8_amax(t.reshape(-1), "tensor", kernel).reshape(()) for _, t in pieces]).amax()
+        scale = scale_from_amax(amax)
+        for off, t in pieces:
+            fp8_quantize(t.reshape(-1), scale, kernel, within_range=True, out=flat[off : off + t.numel()])
+        return scale
+    k = shape[1]
+    per = 1 if granularity == "channel" else BLOCK_SIZE[0]  # weight rows per scale row
+    amax = torch.empty(scale_shape(shape, granularity), dtype=torch.float32, device=out.device)
+    for off, t in pieces:
+        r0 = off // k // per
+        part = fp8_amax(t.view(-1, k), granularity, kernel)
+        amax[r0 : r0 + part.shape[0]] = part
+    scale = scale_from_amax(amax)
+    for off, t in pieces:
+        r0, rows = off // k // per, t.numel() // k
+        part = scale[r0 : r0 + -(-rows // per)]
+        fp8_quantize(t.view(rows, k), part, kernel, within_range=True, out=flat[off : off + t.numel()].view(rows, k))
+    return scale
+
+
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernel: str = "torch") -> torch.Tensor:
     """float32(q) * scale cast to ``dtype``; shape of q."""
     if kernel == "triton":
@@ -132,6 +184,8 @@ __all__ = [
     "KERNELS",
     "fp8_amax",
     "has_non_finite",
+    "fp8_quantize_pieces",
+    "pieces_fit",
     "fp8_dequantize",
     "fp8_quantize",
     "fp8_quantize_weight",

@@ -70,6 +70,13 @@ class QuantMethod:
             TensorParallelError: the shard does not fit the method's layout (default: never).
         """
 
+    def accepts_weight_pieces(self, shape: torch.Size, spans: list[tuple[int, int]]) -> bool:
+        """Whether :meth:`process_weights_after_loading` can take ``weight`` as pieces instead of a materialized
+        tensor: its loads, each a verbatim copy of a contiguous tensor to flat element ``spans`` [(offset, numel)]
+        of a weight of ``shape``. The session then skips copying those loads into a staging buffer and passes
+        ``weight_pieces=[(offset, tensor)]``; ``layer.weight`` is then left on the meta device. Default: no."""
+        return False
+
     def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
         """Turn the loaded checkpoint-format parameters into kernel tensors (in place on ``layer``).
 

@@ -56,7 +56,9 @@ from layerwise.kernels import (
     fp8_amax,
     fp8_dequantize,
     fp8_quantize,
+    fp8_quantize_pieces,
     fp8_scale,
+    pieces_fit,
     scale_from_amax,
 )
 from layerwise.kernels.reference import activation_scale, quantize
@@ -151,35 +153,53 @@ class Fp8LinearMethod(QuantMethod):
         self._scaled_mm: dict[torch.dtype, bool] = {}  # per activation dtype, decided at its first forward
         self.name = f"fp8-per-{granularity}"
 
-    def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
+    def accepts_weight_pieces(self, shape: torch.Size, spans: list[tuple[int, int]]) -> bool:
+        """Pieces are quantized in place when they fit the granularity, without tensor-parallel amax reduction."""
+        return self.amax_reduce is None and pieces_fit(shape, spans, self.granularity)
+
+    def process_weights_after_loading(
+        self,
+        layer: nn.Module,
+        into: dict[str, torch.Tensor] | None = None,
+        weight_pieces: list[tuple[int, torch.Tensor]] | None = None,
+    ) -> None:
         """Quantize ``layer.weight`` [out, in] to float8_e4m3fn and register its float32 scale.
 
         With ``into`` (a non-atomic reload), the FP8 bytes are written straight into the live ``weight`` after
         the scale is known (so after the NaN/Inf checks); the scale, a few bytes, is left to the session's copy.
+        With ``weight_pieces`` the weight is quantized from them (:func:`fp8_quantize_pieces`) and
+        ``layer.weight`` (left on the meta device by the session) is not read.
 
         Raises:
             NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
         """
+        w = layer.weight  # on the meta device when given as pieces
+        device = weight_pieces[0][1].device if weight_pieces else w.device
+        target = (into or {}).get("weight")
+        if target is None or (target.shape, target.dtype, target.device) != (w.shape, FP8_DTYPE, device):
+            target = None
         # global scales: a per-tensor amax spans every rank's shard; a per-channel amax of a row-parallel
         # layer spans every rank's columns of the row. Column-parallel rows and whole blocks are complete.
         partial = self.granularity == "tensor" or (self.granularity == "channel" and self.sharded_dim == "input")
-        if self.amax_reduce is not None and partial:
-            w = layer.weight.data
-            amax = fp8_amax(w, self.granularity, self.kernel)
-            try:
-                check_finite(layer, skip=("weight",))  # the weight's own check is its amax
-            except NonFiniteWeightError:  # join the collective anyway, with +Inf: every rank then fails together
-                self.amax_reduce(torch.full_like(amax, float("inf")))
-                raise
-            scale = scale_from_amax(self.amax_reduce(amax))  # max over ranks; +Inf from any rank raises on all
+        if weight_pieces is not None:
+            check_finite(layer, skip=("weight",))
+            q = target.data if target is not None else torch.empty(w.shape, dtype=FP8_DTYPE, device=device)
+            scale = fp8_quantize_pieces(weight_pieces, w.shape, self.granularity, q, self.kernel)
         else:
-            check_finite(layer, skip=("weight",))  # the weight's own check is its amax
-            scale = fp8_scale(layer.weight.data, self.granularity, self.kernel)
-        target = (into or {}).get("weight")
-        w = layer.weight
-        fits = target is not None and (target.shape, target.dtype, target.device) == (w.shape, FP8_DTYPE, w.device)
-        # the scale comes from the weight's own amax (or a max over ranks), so the reference may skip its clamp
-        q = fp8_quantize(layer.weight.data, scale, self.kernel, within_range=True, out=target.data if fits else None)
+            if self.amax_reduce is not None and partial:
+                amax = fp8_amax(w.data, self.granularity, self.kernel)
+                try:
+                    check_finite(layer, skip=("weight",))  # the weight's own check is its amax
+                except NonFiniteWeightError:  # join the collective anyway, with +Inf: every rank then fails together
+                    self.amax_reduce(torch.full_like(amax, float("inf")))
+                    raise
+                scale = scale_from_amax(self.amax_reduce(amax))  # max over ranks; +Inf from any rank raises on all
+            else:
+                check_finite(layer, skip=("weight",))  # the weight's own check is its amax
+                scale = fp8_scale(w.data, self.granularity, self.kernel)
+            # the scale comes from the weight's own amax (or a max over ranks): the reference may skip its clamp
+            out = target.data if target is not None else None
+            q = fp8_quantize(w.data, scale, self.kernel, within_range=True, out=out)
         del layer.weight
         layer.weight = nn.Parameter(q, requires_grad=False)
         scale = scale.reshape(1) if self.granularity == "tensor" else scale

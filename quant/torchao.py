@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import has_non_finite
+from layerwise.kernels import FP8_DTYPE, cpu_native, has_non_finite
 from layerwise.optional import import_optional
 from layerwise.quant.base import QuantMethod, check_finite
 
@@ -120,6 +120,10 @@ def _float8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> N
     torchao. ``work``: float32, at least ``w.numel()`` elements (no other temporary is that large)."""
     qdata, scale = out["qdata"], out["scale"]
     fmax = torch.finfo(qdata.dtype).max
+    if qdata.dtype == FP8_DTYPE and cpu_native.supports(w, qdata):  # the same arithmetic, one pass each
+        scale.copy_(cpu_native.amax(w, "channel").to(w.dtype) / fmax)  # amax and amax / max in w.dtype
+        cpu_native.quantize(w, scale, "channel", out=qdata)  # clamp(float32(w) / scale) cast, as below
+        return
     x = work[: w.numel()].view(w.shape).copy_(w)  # exact; float32 reductions are ~4x faster than bf16 ones
     hi, lo = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)  # (torch.aminmax over rows is ~10x slower)
     amax = torch.maximum(hi, lo.neg_()).abs_().to(w.dtype)  # == w.abs().amax(1) (NaN propagates), +0.0 if all 0
@@ -351,8 +355,16 @@ class TorchaoLinearMethod(QuantMethod):
         _, names, ctx = layout
         local_rows = _local_rows(layout, k, weight.device)
         work = torch.empty(rows * k, dtype=torch.float32, device=weight.device)
-        for r0 in sorted(references) + [r for r in range(0, n, rows) if r not in references]:
-            r1 = min(r0 + rows, n)
+        # the chunks torchao also quantized first (to compare), then the rest: in one span where float8 runs on
+        # the native CPU kernels (they need no float32 work buffer), else chunk by chunk
+        spans = [(r0, min(r0 + rows, n)) for r0 in sorted(references)]
+        step = n if local_rows is _float8_rows and cpu_native.supports(weight) else rows
+        rest = [r for r in range(0, n, rows) if r not in references]
+        for i in range(0, len(rest), max(1, step // rows)):
+            run = rest[i : i + max(1, step // rows)]
+            contiguous = run[-1] - run[0] == (len(run) - 1) * rows
+            spans += [(run[0], min(run[-1] + rows, n))] if contiguous else [(r, min(r + rows, n)) for r in run]
+        for r0, r1 in spans:
             local_rows(weight[r0:r1], {name: inner[name][r0:r1] for name in names}, ctx, work)
             reference = references.get(r0)
             for name in names if reference is not None else ():

@@ -6,7 +6,7 @@ import torch
 import layerwise
 from layerwise.checkpoint import Checkpoint
 from layerwise.cli import main
-from layerwise.kernels import fp8_dequantize, fp8_quantize_weight
+from layerwise.kernels import cpu_native, fp8_dequantize, fp8_quantize_weight
 from tests.hf_checkpoints import hf_logits, sqnr_db, write_hf_checkpoint
 
 TORCHAO = ["torchao:Float8WeightOnlyConfig", "torchao:Int8WeightOnlyConfig"]
@@ -81,10 +81,11 @@ def test_fused_per_tensor_scale_matches_unfused_within_fp8_error():
     )
 
 
-# peak - model in units of the largest decoder layer's checkpoint bytes, as measured on this checkpoint
-# (fp8: the BF16 module plus a float32 work buffer; torchao quantizes in row chunks). The load makes no
-# reference cycles, so the figure does not depend on when the garbage collector runs (checked with it off).
-MEASURED_OVERHEAD = {"fp8-per-channel": 1.20, "fp8-per-block": 1.21, TORCHAO[0]: 0.34, TORCHAO[1]: 0.34}
+# peak - model in units of the largest decoder layer's checkpoint bytes, as measured on this checkpoint with the
+# native CPU kernels (fp8: quantized from the memory-mapped checkpoint tensors, except per-block qkv_proj here,
+# whose 64-row k and v are not whole 128-row blocks and are staged in BF16; torchao quantizes in row chunks).
+# The load makes no reference cycles, so the figure does not depend on when the garbage collector runs.
+MEASURED_OVERHEAD = {"fp8-per-channel": 0.0, "fp8-per-block": 0.17, TORCHAO[0]: 0.34, TORCHAO[1]: 0.34}
 
 
 @pytest.mark.parametrize("scheme", list(MEASURED_OVERHEAD))
@@ -97,7 +98,8 @@ def test_peak_bound_holds_for_every_scheme(qwen3_8_layers, scheme):
         _, report = layerwise.load_model_with_report(qwen3_8_layers, quantization=scheme)
     finally:
         gc.enable()
-    assert report.overhead_per_layer <= MEASURED_OVERHEAD[scheme] + 0.02, report.overhead_per_layer
+    work = 0 if cpu_native.available() or "torchao" in scheme else 1.1  # the reference's float32 work buffer
+    assert report.overhead_per_layer <= MEASURED_OVERHEAD[scheme] + work + 0.02, report.overhead_per_layer
 
 
 def test_torchao_row_chunks_equal_whole_tensor_quantization():

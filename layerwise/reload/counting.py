@@ -23,16 +23,28 @@ _WRITE_OPS = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zer
 
 
 class WriteRecorder(EagerDispatchMode):
-    """Records the destination region of every copy_/fill_/zero_ executed inside the mode."""
+    """Records the destination region of every copy_/fill_/zero_ executed inside the mode, and which of them
+    copy ``source`` verbatim (the whole tensor, same dtype, both contiguous) into one contiguous region."""
 
-    def __init__(self):
+    def __init__(self, source: torch.Tensor | None = None):
         super().__init__()
+        self.source = source
         self.writes: list = []
+        self.verbatim: list[int] = []  # flat element offsets of the verbatim copies
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _WRITE_OPS:
             dst = args[0]
             self.writes.append(intervals_of_view(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride())))
+            src = args[1] if func is aten.copy_.default else None
+            if (
+                src is not None
+                and src is self.source
+                and (src.dtype, src.numel()) == (dst.dtype, dst.numel())
+                and src.is_contiguous()
+                and dst.is_contiguous()
+            ):
+                self.verbatim.append(dst.storage_offset())
         return func(*args, **(kwargs or {}))
 
 
@@ -40,20 +52,31 @@ def _to_meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, (torch.Tensor, LazyTensor)) else x  # a LazyTensor: nothing is read
 
 
-def record_loader_writes(
+def record_loader(
     loader: Callable, meta_param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any
-) -> list:
+) -> tuple[list, int | None]:
     """Run ``loader(meta_param, loaded_weight on meta, shard_id)`` and return its writes.
 
     Returns:
-        list of (starts, length) element intervals into ``meta_param``'s storage.
+        (writes, verbatim_at): the (starts, length) element intervals into ``meta_param``'s storage; and, when
+        the loader's one write is a verbatim copy of ``loaded_weight`` (whole, same dtype, into a contiguous
+        region: no slicing, cast or transpose), the flat element offset of that region, else None.
     Raises:
         whatever the loader raises (e.g. a shape mismatch), before any real memory is touched.
     """
-    recorder = WriteRecorder()
+    source = _to_meta(loaded_weight)
+    recorder = WriteRecorder(source)
     with recorder:
-        loader(meta_param, _to_meta(loaded_weight), shard_id)
-    return recorder.writes
+        loader(meta_param, source, shard_id)
+    verbatim_at = recorder.verbatim[0] if len(recorder.writes) == 1 and recorder.verbatim else None
+    return recorder.writes, verbatim_at
+
+
+def record_loader_writes(
+    loader: Callable, meta_param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any
+) -> list:
+    """The writes of :func:`record_loader` alone."""
+    return record_loader(loader, meta_param, loaded_weight, shard_id)[0]
 
 
 def written_numel(writes: list) -> int:

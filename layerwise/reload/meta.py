@@ -110,15 +110,19 @@ def materialize_layer(
     device: torch.device,
     staging: StagingBuffer | None = None,
     into: dict[str, torch.Tensor] | None = None,
+    keep_on_meta: tuple[str, ...] = (),
 ) -> None:
     """Give the layer uninitialized checkpoint-format parameters on ``device``.
 
     Each new parameter has the type, shape, dtype and layout of its meta counterpart and the
     original (unwrapped) weight loader, so replayed loads write real memory. With ``staging`` the
     memory is the staging buffer's (reused by the next module); with ``into`` (tensors of the metas'
-    names, shapes and dtypes: the live kernel tensors) it is theirs; else fresh.
+    names, shapes and dtypes: the live kernel tensors) it is theirs; else fresh. Parameters named in
+    ``keep_on_meta`` stay the meta parameters (nothing will be loaded into them: their loads are quantized
+    from the loaded tensors).
     """
-    metas = info.restore_metadata
+    metas = {n: m for n, m in info.restore_metadata.items() if n not in keep_on_meta}
     data = {n: into[n].data for n in metas} if into is not None else empty_like_metas(metas, device, staging)
     fresh = {name: meta.with_data(data[name], weight_loader=info.weight_loaders[name]) for name, meta in metas.items()}
+    fresh.update({n: info.restore_metadata[n] for n in keep_on_meta})
     set_layer_tensors(layer, fresh)

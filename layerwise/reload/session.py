@@ -38,7 +38,7 @@ from layerwise.errors import DuplicateWeightError, LayerwiseError, MissingWeight
 from layerwise.kernels import has_non_finite
 from layerwise.quant.base import check_finite
 from layerwise.quant.parameters import ModelWeightParameter
-from layerwise.reload.counting import record_loader_writes, written_numel
+from layerwise.reload.counting import record_loader, written_numel
 from layerwise.reload.meta import (
     StagingBuffer,
     empty_like_metas,
@@ -194,15 +194,16 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
                 f"module {info.prefix} was already loaded in this session; {info.prefix}.{param_name} is written again",
                 key=key,
             )
-        writes = record_loader_writes(original, meta_param, loaded_weight, shard_id)
+        writes, verbatim_at = record_loader(original, meta_param, loaded_weight, shard_id)
         if info.unit_numel:  # Limitations 9: counted, buffered and processed per unit
-            _load_unit(module, info, param_name, writes, BufferedLoad(param_name, loaded_weight, shard_id, key))
+            load = BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at)
+            _load_unit(module, info, param_name, writes, load)
             return
         numel = written_numel(writes)
         completes = info.load_numel + numel >= info.load_numel_total
         if not completes and loaded_weight.device.type != "cpu":  # Limitations 2: buffers stay on CPU
             loaded_weight = loaded_weight.to("cpu")
-        info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key))
+        info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at))
         info.writes[param_name].extend(writes)
         info.load_numel += numel
         session.buffered_bytes += loaded_weight.numel() * loaded_weight.element_size()
@@ -364,6 +365,7 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
     quant_method = getattr(module, "quant_method", None)
     live = info.kernel_tensors if info.kernel_tensors and not session.atomic else None  # written right away
+    pieces = _weight_pieces(module, info)
     if live is not None and _loads_into_kernel_tensors(module, info):
         # processing only checks these parameters: the loads are replayed straight into the live tensors
         materialize_layer(module, info, session.device, into=live)
@@ -373,15 +375,20 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         # whose processed values are copied into the kernel tensors right away (an atomic one keeps them)
         replaced = quant_method is not None and quant_method.replaces_weight
         staging = session.staging if replaced or live is not None else None
-        materialize_layer(module, info, session.device, staging)
+        skip = ("weight",) if pieces is not None else ()  # quantized from the loaded tensors themselves
+        materialize_layer(module, info, session.device, staging, keep_on_meta=skip)
     nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
     for buffered in info.loaded_weights:
+        if pieces is not None and buffered.param_name == "weight":
+            continue
         info.weight_loaders[buffered.param_name](
             module._parameters[buffered.param_name], buffered.loaded_weight, buffered.shard_id
         )
     try:
-        if quant_method is not None:
+        if pieces is not None:
+            quant_method.process_weights_after_loading(module, into=live, weight_pieces=pieces)
+        elif quant_method is not None:
             quant_method.process_weights_after_loading(module, into=live)
         else:
             check_finite(module)
@@ -423,6 +430,27 @@ def _check_kernel_format(info: LayerReloadingInfo, processed: dict[str, torch.Te
                 f"{info.prefix}.{name}: processed {new.dtype}{tuple(new.shape)} does not "
                 f"fit the kernel tensor {old.dtype}{tuple(old.shape)}"
             )
+
+
+def _weight_pieces(module: nn.Module, info: LayerReloadingInfo) -> list[tuple[int, torch.Tensor]] | None:
+    """The module's ``weight`` as the loaded tensors themselves, [(flat element offset, tensor)], when every load
+    of it is a verbatim copy of a contiguous tensor already on the session's device and the quant method takes
+    pieces (:meth:`QuantMethod.accepts_weight_pieces`): the copy into the staging buffer is then skipped (on a
+    CPU load, a memory-mapped checkpoint tensor is quantized where the page cache holds it). Else None."""
+    quant_method = getattr(module, "quant_method", None)
+    meta = info.restore_metadata.get("weight")
+    loads = [b for b in info.loaded_weights if b.param_name == "weight"]
+    if quant_method is None or meta is None or not loads or any(b.verbatim_at is None for b in loads):
+        return None
+    if not quant_method.accepts_weight_pieces(meta.shape, [(b.verbatim_at, b.loaded_weight.numel()) for b in loads]):
+        return None
+    pieces = []
+    for b in loads:
+        t = b.loaded_weight if isinstance(b.loaded_weight, torch.Tensor) else b.loaded_weight.materialize()
+        if t.device != info.session.device or not t.is_contiguous():
+            return None
+        pieces.append((b.verbatim_at, t))
+    return pieces
 
 
 def _loads_into_kernel_tensors(module: nn.Module, info: LayerReloadingInfo) -> bool:

@@ -23,6 +23,9 @@ class BufferedLoad:
     loaded_weight: torch.Tensor
     shard_id: Any
     key: str | None
+    #: flat element offset where the loader copies ``loaded_weight`` verbatim (whole, same dtype, one
+    #: contiguous region: :func:`layerwise.reload.counting.record_loader`), else None
+    verbatim_at: int | None = None
 
 
 @dataclass

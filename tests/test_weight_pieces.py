@@ -1,0 +1,98 @@
+"""A weight quantized from the loaded tensors themselves (its verbatim loads) equals the assembled weight's."""
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.errors import NonFiniteWeightError
+from layerwise.kernels import GRANULARITIES, fp8_quantize_pieces, fp8_quantize_weight, pieces_fit
+from layerwise.quant.parameters import ModelWeightParameter, default_weight_loader
+from layerwise.reload.counting import record_loader
+from tests.hf_checkpoints import write_hf_checkpoint
+
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pieces_quantize_as_the_assembled_weight(granularity, dtype):
+    # rows split 256 + 384 + 133 (a ragged last block) with different magnitudes, so the amax lies in one piece
+    g = torch.Generator().manual_seed(0)
+    sizes, k = [256, 384, 133], 300
+    parts = [(torch.randn(n, k, generator=g) * s).to(dtype) for n, s in zip(sizes, [0.5, 3.0, 0.01], strict=True)]
+    whole = torch.cat(parts)
+    offsets = [0, 256 * k, 640 * k]
+    pieces = list(zip(offsets, parts, strict=True))
+    assert pieces_fit(whole.shape, [(o, t.numel()) for o, t in pieces], granularity)
+    out = torch.zeros(whole.shape, dtype=FP8)
+    scale = fp8_quantize_pieces(pieces, whole.shape, granularity, out, "torch")
+    q, want = fp8_quantize_weight(whole, granularity)
+    assert torch.equal(scale, want) and torch.equal(_bits(out), _bits(q))
+
+
+def test_pieces_fit_whole_rows_and_blocks_only():
+    shape, k = (640, 300), 300
+    assert pieces_fit(shape, [(0, 7), (7, 640 * 300 - 7)], "tensor")
+    assert not pieces_fit(shape, [(0, 7), (7, 640 * 300 - 7)], "channel")
+    assert pieces_fit(shape, [(0, 64 * k), (64 * k, 576 * k)], "channel")
+    assert not pieces_fit(shape, [(0, 64 * k), (64 * k, 576 * k)], "block")  # 64 rows: half a block
+    assert pieces_fit(shape, [(0, 128 * k), (128 * k, 512 * k)], "block")
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_a_non_finite_piece_raises_before_any_write(granularity):
+    parts = [torch.ones(128, 64), torch.ones(128, 64)]
+    parts[1][100, 3] = float("nan")
+    out = torch.zeros(256, 64, dtype=FP8)
+    with pytest.raises(NonFiniteWeightError):
+        fp8_quantize_pieces([(0, parts[0]), (128 * 64, parts[1])], (256, 64), granularity, out, "torch")
+    assert not _bits(out).any()
+
+
+def test_record_loader_finds_verbatim_copies_only():
+    meta = ModelWeightParameter(torch.empty(8, 4, device="meta"), default_weight_loader, output_dim=0, input_dim=1)
+
+    def shard(param, loaded, shard_id):  # rows [4, 8): a verbatim copy into a contiguous region
+        param.load_shard(loaded, shard_offset=4, shard_size=4)
+
+    def tp_rank1(param, loaded, shard_id):  # rank 1 of 2: narrows the loaded tensor first
+        param.load_shard(loaded, shard_offset=0, shard_size=8, tp_rank=1, tp_size=2)
+
+    def columns(param, loaded, shard_id):  # columns [0, 2) of every row: not one contiguous region
+        param.data.narrow(1, 0, 2).copy_(loaded)
+
+    assert record_loader(default_weight_loader, meta, torch.ones(8, 4), None)[1] == 0
+    assert record_loader(shard, meta, torch.ones(4, 4), None)[1] == 16
+    assert record_loader(default_weight_loader, meta, torch.ones(8, 4, dtype=torch.bfloat16), None)[1] is None  # cast
+    assert record_loader(tp_rank1, meta, torch.ones(16, 4), None)[1] is None
+    assert record_loader(columns, meta, torch.ones(8, 2), None)[1] is None
+    assert record_loader(default_weight_loader, meta, torch.ones(4, 8).t(), None)[1] is None  # not contiguous
+
+
+@pytest.mark.parametrize("scheme", ["fp8-per-tensor", "fp8-per-channel", "fp8-per-block"])
+def test_float32_checkpoint_is_cast_through_staging(tmp_path, scheme):
+    # a float32 checkpoint whose values are not bfloat16 values: its loads cast to the model's bf16, so they are
+    # not verbatim and are staged; the bytes equal a load of the same weights rounded to bf16 and stored so
+    from safetensors.torch import load_file, save_file
+
+    src = write_hf_checkpoint(tmp_path / "src", "Qwen3ForCausalLM", seed=3, num_layers=2, hidden=128, intermediate=256)
+    f32, bf16 = tmp_path / "f32", tmp_path / "bf16"
+    g = torch.Generator().manual_seed(4)
+    for folder in (f32, bf16):
+        folder.mkdir()
+    for path in src.iterdir():
+        if path.suffix != ".safetensors":
+            for folder in (f32, bf16):
+                (folder / path.name).write_bytes(path.read_bytes())
+            continue
+        wide = {k: v.float() * (1 + torch.rand(v.shape, generator=g) * 2**-9) for k, v in load_file(path).items()}
+        save_file(wide, f32 / path.name, metadata={"format": "pt"})
+        save_file({k: v.bfloat16() for k, v in wide.items()}, bf16 / path.name, metadata={"format": "pt"})
+    a = layerwise.load_model(bf16, quantization=scheme, dtype=torch.bfloat16).state_dict()
+    b = layerwise.load_model(f32, quantization=scheme, dtype=torch.bfloat16).state_dict()
+    for name, t in a.items():
+        assert torch.equal(_bits(t), _bits(b[name])), name
