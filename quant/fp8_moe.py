@@ -39,7 +39,15 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, cpu_native, fp8_quantize, fp8_scale
+from layerwise.kernels import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    cpu_native,
+    fp8_quantize,
+    fp8_quantize_pieces,
+    fp8_scale,
+    pieces_fit,
+)
 from layerwise.kernels.reference import quantize_widened
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
@@ -116,20 +124,31 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             out[self.scale_names[name]] = nn.Parameter(scale, requires_grad=False)
         return out
 
-    def process_expert(self, layer, param_name, expert_id, weight, kernel_tensors) -> None:
+    def accepts_weight_pieces(self, shape: torch.Size, spans: list[tuple[int, int]]) -> bool:
+        """An expert's gate and up loads (or its down load) are quantized where they are, when they fit."""
+        return pieces_fit(shape, spans, self.granularity)
+
+    def process_expert(self, layer, param_name, expert_id, weight, kernel_tensors, weight_pieces=None) -> None:
         """Quantize ``weight`` [N, K] into ``kernel_tensors[param_name][expert_id]`` and its scale slice.
 
-        The whole expert's amax first (the torch reference's ``amax`` makes no float32 copy of the expert,
-        only a row chunk of one, see the module docstring), then tile by tile: the torch reference widens
-        each 1/8-expert tile into one reused float32 work buffer (a quarter of the expert's BF16 bytes),
-        divides and casts into the FP8 slice; Triton quantizes 2 tiles (bounding its FP8 output).
+        Given ``weight_pieces`` (the expert's verbatim loads, ``weight`` None): amax over the pieces, then each
+        piece straight into its rows of the FP8 slice (``fp8_quantize_pieces``). On CPU with the native kernels:
+        the whole expert's amax, then one pass into the slice. Else the whole expert's amax first (the torch
+        reference's ``amax`` makes no float32 copy of the expert, only a row chunk of one, see the module
+        docstring), then tile by tile: the torch reference widens each 1/8-expert tile into one reused float32
+        work buffer (a quarter of the expert's BF16 bytes), divides and casts into the FP8 slice; Triton
+        quantizes 2 tiles (bounding its FP8 output).
 
         Raises:
             NonFiniteWeightError: ``weight`` holds NaN or Inf (raised by the scale, before any write).
         """
-        g, (n, k) = self.granularity, weight.shape
-        scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
         q = kernel_tensors[param_name].data[expert_id]
+        g, (n, k) = self.granularity, q.shape
+        if weight_pieces is not None:  # from the loaded tensors themselves; raises before any write
+            scale = fp8_quantize_pieces(weight_pieces, q.shape, g, q, self.kernel)
+            kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
+            return
+        scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
         if self.kernel == "torch" and cpu_native.supports(weight, q):  # one fused pass, no work buffer
             fp8_quantize(weight, scale, out=q)
             kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)

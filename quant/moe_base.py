@@ -63,17 +63,25 @@ class FusedMoEMethodBase:
         """Uninitialized kernel-format parameters of the whole layer on ``device``, by name."""
         raise NotImplementedError
 
+    def accepts_weight_pieces(self, shape: torch.Size, spans: list[tuple[int, int]]) -> bool:
+        """Whether :meth:`process_expert` can take an expert's weight of ``shape`` as pieces at flat element
+        ``spans`` (its verbatim loads; see ``QuantMethod.accepts_weight_pieces``). Default: no."""
+        return False
+
     def process_expert(
         self,
         layer: nn.Module,
         param_name: str,
         expert_id: int,
-        weight: torch.Tensor,
+        weight: torch.Tensor | None,
         kernel_tensors: dict[str, torch.Tensor],
+        weight_pieces: list[tuple[int, torch.Tensor]] | None = None,
     ) -> None:
         """Write expert ``expert_id``'s ``param_name`` (``weight``: [2I, H] or [H, I], checkpoint dtype)
         into its slices of ``kernel_tensors``. Nothing is written when it raises. ``weight`` may live in the
-        session's reused CPU staging buffer: copy from it, never keep a view of it.
+        session's reused CPU staging buffer: copy from it, never keep a view of it. With ``weight_pieces``
+        (only where :meth:`accepts_weight_pieces` said so) ``weight`` is None and the expert is those pieces,
+        [(flat element offset within the expert, contiguous tensor)].
 
         Raises:
             NonFiniteWeightError: ``weight`` holds NaN or Inf.

@@ -276,23 +276,30 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
     targets = _unit_targets(module, info)
     meta = info.restore_metadata[param_name]
     unit_meta = torch.empty(meta.shape[1:], dtype=meta.dtype, device="meta")
-    # CPU: the unit reuses the staging buffer's touched memory
-    weight = empty_like_metas({param_name: unit_meta}, session.device, session.staging)[param_name]
-    # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
-    # own loader, which writes only param[index] (checked above on meta), fills it
-    as_param = weight.unsqueeze(0).expand(meta.shape)
-    for buffered in state.loaded_weights:
-        info.weight_loaders[param_name](as_param, buffered.loaded_weight, buffered.shard_id)
+    first = index * info.unit_numel[param_name]
+    pieces = _loaded_pieces(module.quant_method, unit_meta.shape, state.loaded_weights, session.device, first)
+    weight = as_param = None
+    if pieces is None:
+        # CPU: the unit reuses the staging buffer's touched memory
+        weight = empty_like_metas({param_name: unit_meta}, session.device, session.staging)[param_name]
+        # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
+        # own loader, which writes only param[index] (checked above on meta), fills it
+        as_param = weight.unsqueeze(0).expand(meta.shape)
+        for buffered in state.loaded_weights:
+            info.weight_loaders[param_name](as_param, buffered.loaded_weight, buffered.shard_id)
     started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
     try:
-        module.quant_method.process_expert(module, param_name, index, weight, targets)
+        if pieces is None:
+            module.quant_method.process_expert(module, param_name, index, weight, targets)
+        else:
+            module.quant_method.process_expert(module, param_name, index, None, targets, weight_pieces=pieces)
     except NonFiniteWeightError as e:  # raised by the scale, before any write
         info.units_started = started_before
         raise NonFiniteWeightError(
             f"non-finite value (NaN or Inf) in {_unit_name(info, unit)}: {e.message}",
             key=_find_non_finite_key(state.loaded_weights),
         ) from e
-    nbytes = weight.numel() * weight.element_size()
+    nbytes = unit_meta.numel() * unit_meta.element_size()
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
     del weight, as_param
     session.buffered_bytes -= _buffered_bytes(state.loaded_weights)
@@ -433,23 +440,34 @@ def _check_kernel_format(info: LayerReloadingInfo, processed: dict[str, torch.Te
 
 
 def _weight_pieces(module: nn.Module, info: LayerReloadingInfo) -> list[tuple[int, torch.Tensor]] | None:
-    """The module's ``weight`` as the loaded tensors themselves, [(flat element offset, tensor)], when every load
-    of it is a verbatim copy of a contiguous tensor already on the session's device and the quant method takes
-    pieces (:meth:`QuantMethod.accepts_weight_pieces`): the copy into the staging buffer is then skipped (on a
-    CPU load, a memory-mapped checkpoint tensor is quantized where the page cache holds it). Else None."""
+    """The module's ``weight`` as its loaded tensors (:func:`_loaded_pieces`), else None."""
     quant_method = getattr(module, "quant_method", None)
     meta = info.restore_metadata.get("weight")
-    loads = [b for b in info.loaded_weights if b.param_name == "weight"]
-    if quant_method is None or meta is None or not loads or any(b.verbatim_at is None for b in loads):
+    if quant_method is None or meta is None:
         return None
-    if not quant_method.accepts_weight_pieces(meta.shape, [(b.verbatim_at, b.loaded_weight.numel()) for b in loads]):
+    loads = [b for b in info.loaded_weights if b.param_name == "weight"]
+    return _loaded_pieces(quant_method, meta.shape, loads, info.session.device)
+
+
+def _loaded_pieces(
+    quant_method, shape: torch.Size, loads: list[BufferedLoad], device: torch.device, first: int = 0
+) -> list[tuple[int, torch.Tensor]] | None:
+    """A weight of ``shape`` as the loaded tensors themselves, [(flat element offset, tensor)], when every one of
+    ``loads`` is a verbatim copy of a contiguous tensor already on ``device`` and the quant method takes pieces
+    (``accepts_weight_pieces``): the copy into the staging buffer is then skipped (on a CPU load, a memory-mapped
+    checkpoint tensor is quantized where the page cache holds it). Else None. ``first``: the flat offset of the
+    weight in the parameter the loads were recorded against (a unit's, in its module's parameter)."""
+    if not loads or any(b.verbatim_at is None for b in loads):
+        return None
+    spans = [(b.verbatim_at - first, b.loaded_weight.numel()) for b in loads]
+    if not quant_method.accepts_weight_pieces(shape, spans):
         return None
     pieces = []
-    for b in loads:
+    for (offset, _), b in zip(spans, loads, strict=True):
         t = b.loaded_weight if isinstance(b.loaded_weight, torch.Tensor) else b.loaded_weight.materialize()
-        if t.device != info.session.device or not t.is_contiguous():
+        if t.device != device or not t.is_contiguous():
             return None
-        pieces.append((b.verbatim_at, t))
+        pieces.append((offset, t))
     return pieces
 
 
