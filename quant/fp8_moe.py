@@ -150,7 +150,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             return
         scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
         if self.kernel == "torch" and cpu_native.supports(weight, q):  # one fused pass, no work buffer
-            fp8_quantize(weight, scale, out=q)
+            fp8_quantize(weight, scale, within_range=True, out=q)
             kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
             return
         tiles = expert_tiles(n, k, BLOCK_SIZE[0] if g == "block" else 1, parts=8 if self.kernel == "torch" else 2)

@@ -63,6 +63,10 @@ def test_every_bf16_pattern_quantizes_as_torch_casts():
         scale = torch.tensor(s, dtype=torch.float32)
         got = cpu_native.quantize(x, scale, "tensor")
         assert torch.equal(_bits(got), _bits(_own_cast(x, scale))), s
+        # the in-range conversion (a scale from the weight's own amax): every pattern with finite |x / s| < 464
+        ok = x.reshape(-1)[(x.float().reshape(-1) / scale).abs() < 464].contiguous()
+        fast = cpu_native.quantize(ok, scale, "tensor", within_range=True)
+        assert torch.equal(_bits(fast), _bits(_own_cast(ok, scale))), s
     # per channel: a different scale per row; per block: 2 x 2 blocks
     row_scales = torch.exp(torch.empty(256, 1).uniform_(-60, 60, generator=g))
     assert torch.equal(_bits(cpu_native.quantize(x, row_scales, "channel")), _bits(_own_cast(x, row_scales)))
@@ -87,6 +91,10 @@ def test_float32_rounding_ties_and_edges_quantize_as_torch_casts():
         scale = torch.tensor(s)
         want = _own_cast(x * s, scale)  # * s then / s is exact for powers of two; 3.0 checks a real division
         assert torch.equal(_bits(cpu_native.quantize((x * s).contiguous(), scale, "tensor")), _bits(want)), s
+        inside = (x.abs() < 464).reshape(-1)  # NaN compares False: finite values below 464 only
+        y = (x.reshape(-1)[inside] * s).contiguous()
+        fast = cpu_native.quantize(y, scale, "tensor", within_range=True)
+        assert torch.equal(_bits(fast), _bits(want.reshape(-1)[inside])), s
 
 
 @native
