@@ -22,7 +22,7 @@ from layerwise.benchmarks.machine import provenance
 from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, positive_int, write_json
 from layerwise.benchmarks.readme import quant_kernels_table
 from layerwise.benchmarks.timing import best_of
-from layerwise.kernels import GRANULARITIES, fp8_quantize_weight, resolve_kernel
+from layerwise.kernels import GRANULARITIES, cpu_native, fp8_quantize_weight, resolve_kernel
 
 # HBM bandwidth in GB/s by device name fragment (vendor data sheets)
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "RTX 4090": 1008.0}
@@ -60,6 +60,7 @@ def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | 
         **provenance(device, None, {"shapes": [list(r["shape"]) for r in rows]}),
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "cpu_native": device.type == "cpu" and cpu_native.available(),
         "torch": torch.__version__,
         "repeats": repeats,
         "results": rows,

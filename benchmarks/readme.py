@@ -352,11 +352,15 @@ amax + scale + quantize on BF16 weights; GB/s counts the input bytes once, clone
 
 {quant_kernels_table(qk)}"""
     if qk["device"] == "cpu" and kernels == "torch":
-        text += """
-
-On CPU every granularity runs the chunked eager reference (widen into a reused float32 buffer, divide in
-place, cast); `LAYERWISE_COMPILE=1` opts per-tensor tensors of `FUSED_MIN_NUMEL` elements and up into a
-fused Inductor kernel (`kernels/cpu_fused.py`, bit-exact, a one-time compile announced on stderr)."""
+        native = qk.get("cpu_native")
+        text += (
+            "\n\nOn CPU the torch kernel runs the native kernels (`kernels/_cpu_fp8.c`, built by `pip install`: one "
+            "vectorized pass for the amax, one for the quantization, on torch's OpenMP threads; bit-exact with the "
+            "reference)."
+            if native
+            else "\n\nOn CPU every granularity ran the chunked eager reference (widen into a reused float32 buffer, "
+            "divide in place, cast): the native kernels (`kernels/_cpu_fp8.c`) were not built."
+        )
     return text
 
 
