@@ -22,7 +22,6 @@ from layerwise.kernels.reference import (
     FP8_DTYPE,
     FP8_E4M3_MAX,
     GRANULARITIES,
-    scale_from_amax,
     scale_layout,
     scale_shape,
 )
@@ -38,6 +37,14 @@ def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
     return kernel
+
+
+def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.scale_from_amax` (amax / 448, at least float32's tiny, 1.0 for 0), computed natively for a
+    float32 CPU tensor. Raises NonFiniteWeightError when any amax is NaN or Inf."""
+    if amax_value.dtype == torch.float32 and cpu_native.supports(amax_value):
+        return cpu_native.scale_from_amax(amax_value)
+    return reference.scale_from_amax(amax_value)
 
 
 def has_non_finite(t: torch.Tensor) -> bool:
@@ -127,8 +134,10 @@ def fp8_quantize_pieces(
     """
     flat = out.view(-1)
     if granularity == "tensor":
-        amax = torch.stack([fp8_amax(t.reshape(-1), "tensor", kernel).reshape(()) for _, t in pieces]).amax()
-        scale = scale_from_amax(amax)
+        if len(pieces) == 1:
+            scale = fp8_scale(pieces[0][1].reshape(-1), "tensor", kernel)
+        else:
+            scale = scale_from_amax(torch.stack([fp8_amax(t.reshape(-1), "tensor", kernel) for _, t in pieces]).amax())
         for off, t in pieces:
             fp8_quantize(t.reshape(-1), scale, kernel, within_range=True, out=flat[off : off + t.numel()])
         return scale

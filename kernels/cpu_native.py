@@ -92,7 +92,16 @@ def scale(w: torch.Tensor, granularity: str) -> torch.Tensor:
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
-    out = amax(w, granularity)
+    return _to_scale(amax(w, granularity))
+
+
+def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.scale_from_amax` of a float32 CPU tensor (a new tensor; one call instead of six small
+    torch ops). Raises NonFiniteWeightError when any amax is NaN or Inf."""
+    return _to_scale(amax_value.contiguous().clone())
+
+
+def _to_scale(out: torch.Tensor) -> torch.Tensor:
     if _cpu_fp8.scale_from_amax(out.data_ptr(), out.numel()):
         raise NonFiniteWeightError("tensor holds NaN or Inf (non-finite amax)")
     return out

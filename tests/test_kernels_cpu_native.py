@@ -190,6 +190,7 @@ def test_scale_equals_the_recipe_for_zero_tiny_and_huge_amaxes():
     want = torch.where(amaxes > 0, want, torch.ones_like(want))[:, None]
     assert torch.equal(cpu_native.scale(w, "channel"), want)
     assert torch.equal(kernels.fp8_scale(w, "channel"), want)
+    assert torch.equal(kernels.scale_from_amax(amaxes[:, None]), want)  # the dispatcher's native path
     w[7, 2] = float("inf")
     with pytest.raises(layerwise.NonFiniteWeightError):
         cpu_native.scale(w, "channel")
