@@ -31,8 +31,23 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    are materialized in one reused staging buffer (``meta.StagingBuffer``): a first load stages the
    modules whose weight processing replaces and frees the buffer at its end; a reload stages every
    module and keeps the buffer on the model (``model._layerwise_staging``, the size of the largest
-   module in the checkpoint dtype) for the next reload, which then allocates almost nothing.
-   ``release_staging(model)`` frees it; ``staging_bytes(model)`` reports it.
+   module staged, in the checkpoint dtype) for the next reload, which then allocates almost nothing.
+   ``release_staging(model)`` frees it; ``staging_bytes(model)`` reports it. Two cases skip staging
+   (Limitations 10 and 11), so a reload may keep no buffer at all.
+10. A weight whose every load is a verbatim copy (``counting.record_loader``: the whole loaded tensor,
+   same dtype, into one contiguous region; no TP slice, cast or transpose) of a tensor already on the
+   session's device is not materialized: a quant method that accepts pieces
+   (``accepts_weight_pieces``: FP8 dense and MoE, when the pieces are whole rows / 128-row blocks as
+   its scales need) quantizes the loaded tensors themselves, a memory-mapped checkpoint tensor or the
+   trainer's stream tensor, straight into its FP8 tensor (a non-atomic reload: the live one). The
+   weight stays on meta meanwhile. Loads that do not qualify are staged and replayed as before.
+11. On a non-atomic reload, a module whose kernel tensors are its checkpoint-format parameters (no
+   quant method, or ``checkpoint_format``: BF16 linears, embeddings, norms) has its loads replayed
+   straight into its live tensors, and an FP8 method writes its bytes into the live weight
+   (``process_weights_after_loading(into=...)``) once its scale is known. Such a module is
+   overwritten before its finiteness check: one that then fails the check is reported as updated
+   (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the
+   all-or-nothing behaviour.
 9. A module that declares processing units (``FusedMoE``: ``processing_unit(param_name, shard_id)``
    -> ``(param_name, i)``, i.e. ``param[i]``, one expert's w13 or w2) is counted, buffered and
    processed per unit: only one unit is ever materialized in the checkpoint dtype, and it is

@@ -455,8 +455,8 @@ def _loaded_pieces(
     """A weight of ``shape`` as the loaded tensors themselves, [(flat element offset, tensor)], when every one of
     ``loads`` is a verbatim copy of a contiguous tensor already on ``device`` and the quant method takes pieces
     (``accepts_weight_pieces``): the copy into the staging buffer is then skipped (on a CPU load, a memory-mapped
-    checkpoint tensor is quantized where the page cache holds it). Else None. ``first``: the flat offset of the
-    weight in the parameter the loads were recorded against (a unit's, in its module's parameter)."""
+    checkpoint tensor is quantized where the page cache holds it). Else None (Limitations 10). ``first``: the
+    flat offset of the weight in the parameter the loads were recorded against (a unit's, in its module's)."""
     if not loads or any(b.verbatim_at is None for b in loads):
         return None
     spans = [(b.verbatim_at - first, b.loaded_weight.numel()) for b in loads]
@@ -474,7 +474,7 @@ def _loaded_pieces(
 def _loads_into_kernel_tensors(module: nn.Module, info: LayerReloadingInfo) -> bool:
     """Whether the module's kernel tensors are its checkpoint-format parameters (no quant method, or one whose
     ``checkpoint_format`` says processing only checks them), same names, shapes and dtypes, none a tensor
-    subclass: a non-atomic reload can then replay the loads into them directly."""
+    subclass: a non-atomic reload can then replay the loads into them directly (Limitations 11)."""
     quant_method = getattr(module, "quant_method", None)
     if quant_method is not None and not quant_method.checkpoint_format:
         return False
