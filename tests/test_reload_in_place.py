@@ -102,3 +102,21 @@ def test_fp8_reload_quantizes_into_the_live_weight(pair, scheme, monkeypatch):
         layerwise.reload_weights(model, _with_nan("model.layers.2.mlp.up_proj.weight")(a))
     assert "model.layers.2.mlp.gate_up_proj" not in e.value.updated_modules
     assert not torch.isnan(model.model.layers[2].mlp.gate_up_proj.weight.float()).any()
+
+
+def test_loader_writes_are_recorded_once_per_distinct_call(pair, monkeypatch):
+    import layerwise.reload.session as session
+
+    a, b = pair
+    model = layerwise.load_model(a)
+    calls = []
+    record = session.record_loader
+    monkeypatch.setattr(session, "record_loader", lambda *args: calls.append(1) or record(*args))
+    layerwise.reload_weights(model, b)
+    assert calls == []  # the load recorded every (parameter, shape, dtype, shard) the reload brings
+    # a double write is still caught: coverage is computed from the recorded writes each time. (A stream's
+    # tensors have strides where the directory's lazy ones had none: a new key, recorded once, then reused.)
+    twice = [(k, t) for k, t in layerwise.checkpoint.Checkpoint(b) if k.endswith("layers.1.mlp.up_proj.weight")] * 2
+    with pytest.raises(layerwise.ReloadError, match="written again|double write"):
+        layerwise.reload_weights(model, twice)
+    assert calls == [1]

@@ -194,7 +194,7 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
                 f"module {info.prefix} was already loaded in this session; {info.prefix}.{param_name} is written again",
                 key=key,
             )
-        writes, verbatim_at = record_loader(original, meta_param, loaded_weight, shard_id)
+        writes, verbatim_at = _recorded(info, original, param_name, meta_param, loaded_weight, shard_id)
         if info.unit_numel:  # Limitations 9: counted, buffered and processed per unit
             load = BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at)
             _load_unit(module, info, param_name, writes, load)
@@ -212,6 +212,22 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
             _process_module(module, info, key)
 
     return loader
+
+
+def _recorded(info: LayerReloadingInfo, original, param_name: str, meta_param, loaded_weight, shard_id):
+    """:func:`record_loader` of one load, remembered per (parameter, loaded shape, strides, dtype, shard_id): the
+    meta run sees nothing else of the loaded tensor, so the same call records the same writes. An MoE layer's
+    768 loads of the same shapes, or the next reload, then skip the ~150 us meta run (Limitations 1)."""
+    stride = tuple(loaded_weight.stride()) if isinstance(loaded_weight, torch.Tensor) else None  # lazy: contiguous
+    key = (param_name, tuple(loaded_weight.shape), stride, loaded_weight.dtype, shard_id)
+    try:
+        return info.recorded[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable shard_id: recorded every time
+        return record_loader(original, meta_param, loaded_weight, shard_id)
+    info.recorded[key] = result = record_loader(original, meta_param, loaded_weight, shard_id)
+    return result
 
 
 def _unit_name(info: LayerReloadingInfo, unit: Hashable) -> str:

@@ -71,6 +71,8 @@ class LayerReloadingInfo:
         units_done: units processed in this session; the module is done at ``units_total``.
         units_started: a unit's processing began in this session: its kernel tensors may be partly
             overwritten even if that unit failed (a non-atomic reload reports the module as updated).
+        recorded: what each distinct loader call writes (``counting.record_loader`` results by parameter, loaded
+            shape, strides, dtype and shard_id), kept across sessions: the meta run is made once per distinct call.
         in_place: a non-atomic reload wrote the module's kernel tensors directly (its loads replayed
             into them, or its quant method wrote ``into`` them): overwritten even if a check then failed.
     """
@@ -92,6 +94,7 @@ class LayerReloadingInfo:
     units_started: bool = False
     units_total: int = 0
     in_place: bool = False
+    recorded: dict = field(default_factory=dict)
     session: ReloadSession | None = None
 
     def reset(self) -> None:
