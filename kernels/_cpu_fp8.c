@@ -339,4 +339,14 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fp8", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__cpu_fp8(void) { return PyModule_Create(&module); }
+/* bumped when the functions' arguments change: kernels/cpu_native.py refuses a stale build of an editable install */
+#define ABI_VERSION 2
+
+PyMODINIT_FUNC PyInit__cpu_fp8(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

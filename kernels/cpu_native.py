@@ -16,15 +16,26 @@ own intra-op threads (threads of its own would compete with those, which spin af
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels.reference import FP8_DTYPE, scale_shape
 
+ABI_VERSION = 2  # _cpu_fp8.ABI_VERSION of the C source this module calls
+
 try:
     from layerwise.kernels import _cpu_fp8
 except ImportError:  # not built (no C compiler at install time): the reference runs instead
+    _cpu_fp8 = None
+if _cpu_fp8 is not None and getattr(_cpu_fp8, "ABI_VERSION", 0) != ABI_VERSION:
+    # a stale build of an editable install (the C source changed since): not used until rebuilt
+    logging.getLogger(__name__).warning(
+        "%s is a stale build of kernels/_cpu_fp8.c; the torch reference runs instead (reinstall: pip install -e .)",
+        _cpu_fp8.__file__,
+    )
     _cpu_fp8 = None
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
@@ -64,7 +75,8 @@ def supports(w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
 def _plain(t: torch.Tensor) -> bool:
     """A tensor whose data_ptr is its elements: a plain tensor or parameter (typed parameters included), not a
     fake tensor or a subclass that wraps inner tensors."""
-    return type(t) is torch.Tensor or (isinstance(t, torch.nn.Parameter) and not is_traceable_wrapper_subclass(t))
+    # issubclass, not isinstance: nn.Parameter(fake) is a FakeTensor that isinstance(., Parameter) accepts
+    return type(t) is torch.Tensor or (issubclass(type(t), torch.nn.Parameter) and not is_traceable_wrapper_subclass(t))
 
 
 def _rows(w: torch.Tensor, granularity: str) -> tuple[int, int]:

@@ -358,7 +358,8 @@ class TorchaoLinearMethod(QuantMethod):
         # the chunks torchao also quantized first (to compare), then the rest: in one span where float8 runs on
         # the native CPU kernels (they need no float32 work buffer), else chunk by chunk
         spans = [(r0, min(r0 + rows, n)) for r0 in sorted(references)]
-        step = n if local_rows is _float8_rows and cpu_native.supports(weight) else rows
+        native = local_rows is _float8_rows and inner["qdata"].dtype == FP8_DTYPE and cpu_native.supports(weight)
+        step = n if native else rows
         rest = [r for r in range(0, n, rows) if r not in references]
         for i in range(0, len(rest), max(1, step // rows)):
             run = rest[i : i + max(1, step // rows)]

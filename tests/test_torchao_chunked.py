@@ -294,3 +294,18 @@ def test_a_non_finite_bias_is_a_clear_error():
         layer.bias[3] = float("nan")
     with pytest.raises(NonFiniteWeightError, match="'bias'"):
         TorchaoLinearMethod("Float8WeightOnlyConfig").process_weights_after_loading(layer)
+
+
+def test_float8_e5m2_rows_equal_torchao_whole_tensor():
+    # e5m2 has no native kernel: its rows take the chunked path and its float32 work buffer, one chunk at a time
+    pytest.importorskip("torchao")
+    from torchao.quantization import Float8WeightOnlyConfig
+
+    from layerwise.quant.torchao import TorchaoLinearMethod, quantize_whole
+
+    config = Float8WeightOnlyConfig(weight_dtype=torch.float8_e5m2)
+    w = torch.randn(1024, 256, generator=torch.Generator().manual_seed(9)).bfloat16()
+    q = TorchaoLinearMethod(config, chunk_numel=64 * 256).quantize_rows(w)
+    ref = quantize_whole(w, config)
+    assert q.qdata.dtype == torch.float8_e5m2
+    assert torch.equal(q.qdata.view(torch.uint8), ref.qdata.view(torch.uint8)) and torch.equal(q.scale, ref.scale)

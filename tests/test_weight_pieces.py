@@ -5,10 +5,11 @@ import torch
 
 import layerwise
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import GRANULARITIES, fp8_quantize_pieces, fp8_quantize_weight, pieces_fit
+from layerwise.kernels import GRANULARITIES, fp8_quantize_pieces, pieces_fit
 from layerwise.quant.parameters import ModelWeightParameter, default_weight_loader
 from layerwise.reload.counting import record_loader
 from tests.hf_checkpoints import write_hf_checkpoint
+from tests.moe_helpers import torch_fp8_reference
 
 FP8 = torch.float8_e4m3fn
 
@@ -30,8 +31,8 @@ def test_pieces_quantize_as_the_assembled_weight(granularity, dtype):
     assert pieces_fit(whole.shape, [(o, t.numel()) for o, t in pieces], granularity)
     out = torch.zeros(whole.shape, dtype=FP8)
     scale = fp8_quantize_pieces(pieces, whole.shape, granularity, out, "torch")
-    q, want = fp8_quantize_weight(whole, granularity)
-    assert torch.equal(scale, want) and torch.equal(_bits(out), _bits(q))
+    q, want = torch_fp8_reference(whole, granularity)  # torch's own cast, scales computed in the test helper
+    assert torch.equal(scale.reshape(want.shape), want) and torch.equal(_bits(out), _bits(q))
 
 
 def test_pieces_fit_whole_rows_and_blocks_only():
@@ -96,3 +97,46 @@ def test_float32_checkpoint_is_cast_through_staging(tmp_path, scheme):
     b = layerwise.load_model(f32, quantization=scheme, dtype=torch.bfloat16).state_dict()
     for name, t in a.items():
         assert torch.equal(_bits(t), _bits(b[name])), name
+
+
+def test_a_loader_that_also_scales_in_place_is_not_verbatim():
+    meta = ModelWeightParameter(torch.empty(8, 4, device="meta"), default_weight_loader, output_dim=0, input_dim=1)
+
+    def copy_then_scale(param, loaded, shard_id):  # the copy is whole, but the loader changes the values after
+        param.data.copy_(loaded)
+        param.data.mul_(2)
+
+    assert record_loader(copy_then_scale, meta, torch.ones(8, 4), None)[1] is None
+
+
+def test_native_kernels_refuse_fake_parameters():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from layerwise.kernels import cpu_native, has_non_finite
+
+    with FakeTensorMode():
+        p = torch.nn.Parameter(torch.empty(4, 4, dtype=torch.bfloat16))
+        assert not cpu_native.supports(p)  # its data_ptr is 0: the C kernel would read address 0
+        with pytest.raises(Exception):  # noqa: B017 - whatever the reference raises, not a crash
+            has_non_finite(p)
+
+
+def test_a_failure_after_writing_into_the_live_weight_reports_the_module(tmp_path, monkeypatch):
+    import layerwise.quant.fp8 as fp8
+
+    a = write_hf_checkpoint(tmp_path / "a", "Qwen3ForCausalLM", seed=0, num_layers=2)
+    b = write_hf_checkpoint(tmp_path / "b", "Qwen3ForCausalLM", seed=1, num_layers=2)
+    model = layerwise.load_model(a, quantization="fp8")
+    original = fp8.Fp8LinearMethod.process_weights_after_loading
+
+    def fails_midway(self, layer, into=None, weight_pieces=None):
+        if into is not None and layer is model.model.layers[1].mlp.gate_up_proj:
+            into["weight"].data.view(torch.uint8).fill_(0x11)  # half of a two-piece quantization written
+            raise MemoryError("out of host memory")
+        return original(self, layer, into=into, weight_pieces=weight_pieces)
+
+    monkeypatch.setattr(fp8.Fp8LinearMethod, "process_weights_after_loading", fails_midway)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, b)
+    assert "model.layers.1.mlp.gate_up_proj" in e.value.updated_modules
+    assert isinstance(e.value.cause, MemoryError)

@@ -31,8 +31,11 @@ class WriteRecorder(EagerDispatchMode):
         self.source = source
         self.writes: list = []
         self.verbatim: list[int] = []  # flat element offsets of the verbatim copies
+        self.other_mutations = 0  # in-place ops other than the recorded writes (a scale_, an index_put_)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _WRITE_OPS and func._schema.is_mutable:
+            self.other_mutations += 1
         if func in _WRITE_OPS:
             dst = args[0]
             self.writes.append(intervals_of_view(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride())))
@@ -60,7 +63,8 @@ def record_loader(
     Returns:
         (writes, verbatim_at): the (starts, length) element intervals into ``meta_param``'s storage; and, when
         the loader's one write is a verbatim copy of ``loaded_weight`` (whole, same dtype, into a contiguous
-        region: no slicing, cast or transpose), the flat element offset of that region, else None.
+        region: no slicing, cast or transpose) and it runs no other in-place op, the flat element offset of
+        that region, else None.
     Raises:
         whatever the loader raises (e.g. a shape mismatch), before any real memory is touched.
     """
@@ -68,7 +72,8 @@ def record_loader(
     recorder = WriteRecorder(source)
     with recorder:
         loader(meta_param, source, shard_id)
-    verbatim_at = recorder.verbatim[0] if len(recorder.writes) == 1 and recorder.verbatim else None
+    verbatim = len(recorder.writes) == 1 and recorder.verbatim and not recorder.other_mutations
+    verbatim_at = recorder.verbatim[0] if verbatim else None
     return recorder.writes, verbatim_at
 
 

@@ -293,7 +293,8 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
     meta = info.restore_metadata[param_name]
     unit_meta = torch.empty(meta.shape[1:], dtype=meta.dtype, device="meta")
     first = index * info.unit_numel[param_name]
-    pieces = _loaded_pieces(module.quant_method, unit_meta.shape, state.loaded_weights, session.device, first)
+    device = targets[param_name].device  # where the expert's FP8 slice lives, which the pieces are quantized into
+    pieces = _loaded_pieces(module.quant_method, unit_meta.shape, state.loaded_weights, device, first)
     weight = as_param = None
     if pieces is None:
         # CPU: the unit reuses the staging buffer's touched memory
@@ -415,12 +416,15 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
             quant_method.process_weights_after_loading(module, into=live)
         else:
             check_finite(module)
-    except NonFiniteWeightError as e:
+    except NonFiniteWeightError as e:  # raised before a quant method writes ``into`` the live tensors
         restore_layer_on_meta(module, info)
         raise NonFiniteWeightError(
             f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
             key=_find_non_finite_key(info.loaded_weights),
         ) from e
+    except BaseException:  # anything else may come after a write into the live tensors: reported as updated
+        info.in_place = info.in_place or live is not None
+        raise
     if live is not None:  # copied into the kernel tensors: nothing keeps the buffer
         processed = layer_tensors(module)
         _check_kernel_format(info, processed)
@@ -478,10 +482,12 @@ def _loaded_pieces(
     spans = [(b.verbatim_at - first, b.loaded_weight.numel()) for b in loads]
     if not quant_method.accepts_weight_pieces(shape, spans):
         return None
+    if any(b.loaded_weight.device != device for b in loads):  # before reading a lazy checkpoint tensor
+        return None
     pieces = []
     for (offset, _), b in zip(spans, loads, strict=True):
         t = b.loaded_weight if isinstance(b.loaded_weight, torch.Tensor) else b.loaded_weight.materialize()
-        if t.device != device or not t.is_contiguous():
+        if not t.is_contiguous():
             return None
         pieces.append((offset, t))
     return pieces

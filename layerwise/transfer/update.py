@@ -23,6 +23,7 @@ model (``model.__dict__``), never in a module-level registry.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -177,7 +178,9 @@ class WeightUpdate:
         if not storages:
             return
         for module in self.session.modules.values():
-            for buffered in get_layerwise_info(module).loaded_weights:
+            info = get_layerwise_info(module)
+            units = [state.loaded_weights for state in info.units.values()]  # an MoE layer's per-expert loads
+            for buffered in itertools.chain(info.loaded_weights, *units):
                 w = buffered.loaded_weight
                 if w.device.type == "cpu" and w.untyped_storage().data_ptr() in storages:
                     buffered.loaded_weight = w.clone()

@@ -188,3 +188,17 @@ def test_a_transport_error_midway_names_the_updated_modules(ckpts):
         assert torch.equal(raw(t), raw(expected[name])), name
         changed += not torch.equal(raw(ref_a[name]), raw(ref_b[name]))
     assert changed  # A and B differ, so the comparison above can tell them apart
+
+
+@pytest.mark.parametrize("scheme", ["fp8-per-tensor", "fp8-per-block"])
+def test_moe_experts_through_a_reused_buffer_equal_fresh_load(tmp_path, scheme):
+    # an expert's gate and up arrive in different buckets of one reused buffer: the buffered gate must be owned
+    # (copied) before the transport overwrites it, as a dense module's buffered tensors are
+    from tests.hf_checkpoints import write_hf_checkpoint
+
+    a = write_hf_checkpoint(tmp_path / "a", "Qwen3MoeForCausalLM", seed=0, num_layers=3)
+    b = write_hf_checkpoint(tmp_path / "b", "Qwen3MoeForCausalLM", seed=1, num_layers=3)
+    model = layerwise.load_model(a, quantization=scheme)
+    tensors = checkpoint_tensors(b)
+    update_weights(model, LoopbackEngine(tensors, capacity=1), request(tensors))  # one tensor per bucket
+    assert_same_tensors(model, layerwise.load_model(b, quantization=scheme))
