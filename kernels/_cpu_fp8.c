@@ -84,51 +84,33 @@ QUANTIZE_ROW(quantize_row_bf16_in_range, uint16_t, widen_bf16, e4m3fn_in_range)
 QUANTIZE_ROW(quantize_row_f32, float, AS_IS, e4m3fn_clamped)
 QUANTIZE_ROW(quantize_row_f32_in_range, float, AS_IS, e4m3fn_in_range)
 
-/* max |x| bits of a span, per 16-bit or 32-bit float: the bit patterns of non-negative floats order as the
- * values do, and every NaN pattern sorts above Inf, so the result read back as a float is the amax (NaN if
- * any element is NaN). */
-MULTIVERSION static uint32_t absmax_bits_bf16(const uint16_t *src, int64_t n) {
-    uint16_t m = 0;
-    for (int64_t j = 0; j < n; j++) {
-        uint16_t a = src[j] & 0x7FFFu;
-        m = a > m ? a : m;
+/* max |x| bits of a span (absmax_bits_*) and the per-128-column-block running max of one row (absmax_blocks_*:
+ * m[cb] = max(m[cb], that of the row's block cb)), per 16-bit or 32-bit float, as 32-bit float bits: the bit
+ * patterns of non-negative floats order as the values do, and every NaN pattern sorts above Inf, so the result
+ * read back as a float is the amax (NaN if any element is NaN). */
+#define ABSMAX(SUFFIX, T, MASK, SHIFT)                                                                          \
+    MULTIVERSION static uint32_t absmax_bits_##SUFFIX(const T *src, int64_t n) {                              \
+        T m = 0;                                                                                               \
+        for (int64_t j = 0; j < n; j++) {                                                                      \
+            T a = src[j] & MASK;                                                                               \
+            m = a > m ? a : m;                                                                                 \
+        }                                                                                                      \
+        return (uint32_t)m << SHIFT;                                                                           \
+    }                                                                                                          \
+    MULTIVERSION static void absmax_blocks_##SUFFIX(const T *src, int64_t k, uint32_t *m) {                   \
+        for (int64_t c0 = 0, cb = 0; c0 < k; c0 += BLOCK, cb++) {                                              \
+            const int64_t c1 = c0 + BLOCK < k ? c0 + BLOCK : k;                                                \
+            T v = 0;                                                                                           \
+            for (int64_t j = c0; j < c1; j++) {                                                                \
+                T a = src[j] & MASK;                                                                           \
+                v = a > v ? a : v;                                                                             \
+            }                                                                                                  \
+            const uint32_t bits = (uint32_t)v << SHIFT;                                                        \
+            m[cb] = bits > m[cb] ? bits : m[cb];                                                               \
+        }                                                                                                      \
     }
-    return (uint32_t)m << 16;
-}
-
-MULTIVERSION static uint32_t absmax_bits_f32(const uint32_t *src, int64_t n) {
-    uint32_t m = 0;
-    for (int64_t j = 0; j < n; j++) {
-        uint32_t a = src[j] & 0x7FFFFFFFu;
-        m = a > m ? a : m;
-    }
-    return m;
-}
-
-/* per-128-column-block running max of one row: m[cb] = max(m[cb], max |x| bits of the row's block cb) */
-MULTIVERSION static void absmax_blocks_bf16(const uint16_t *src, int64_t k, uint32_t *m) {
-    for (int64_t c0 = 0, cb = 0; c0 < k; c0 += BLOCK, cb++) {
-        const int64_t c1 = c0 + BLOCK < k ? c0 + BLOCK : k;
-        uint16_t v = 0;
-        for (int64_t j = c0; j < c1; j++) {
-            uint16_t a = src[j] & 0x7FFFu;
-            v = a > v ? a : v;
-        }
-        m[cb] = ((uint32_t)v << 16) > m[cb] ? ((uint32_t)v << 16) : m[cb];
-    }
-}
-
-MULTIVERSION static void absmax_blocks_f32(const uint32_t *src, int64_t k, uint32_t *m) {
-    for (int64_t c0 = 0, cb = 0; c0 < k; c0 += BLOCK, cb++) {
-        const int64_t c1 = c0 + BLOCK < k ? c0 + BLOCK : k;
-        uint32_t v = 0;
-        for (int64_t j = c0; j < c1; j++) {
-            uint32_t a = src[j] & 0x7FFFFFFFu;
-            v = a > v ? a : v;
-        }
-        m[cb] = v > m[cb] ? v : m[cb];
-    }
-}
+ABSMAX(bf16, uint16_t, 0x7FFFu, 16)
+ABSMAX(f32, uint32_t, 0x7FFFFFFFu, 0)
 
 typedef struct {
     const char *src;
