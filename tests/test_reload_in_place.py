@@ -120,3 +120,26 @@ def test_loader_writes_are_recorded_once_per_distinct_call(pair, monkeypatch):
     with pytest.raises(layerwise.ReloadError, match="written again|double write"):
         layerwise.reload_weights(model, twice)
     assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", [None, "fp8-per-tensor", "fp8-per-channel", "fp8-per-block"])
+@pytest.mark.parametrize("source", ["dir", "cpu stream", "cuda stream"])
+def test_cuda_reload_in_place_equals_fresh_load(pair, scheme, source):
+    # the CUDA side of this file: BF16 modules loaded into their live tensors, FP8 written into the live weight
+    # (Triton, then a copy), pieces where the loaded tensors are on the session's device; byte-equal to a fresh
+    # CUDA load of the same weights, every data_ptr kept
+    a, b = pair
+    model = layerwise.load_model(a, quantization=scheme, device="cuda")
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    if source == "dir":
+        weights = b
+    else:
+        device = "cpu" if source == "cpu stream" else "cuda"
+        weights = [(k, t.to(device)) for k, t in layerwise.checkpoint.Checkpoint(b)]
+    layerwise.reload_weights(model, weights)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    fresh = layerwise.load_model(b, quantization=scheme, device="cuda").state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(_bytes(t), _bytes(fresh[name])), name
