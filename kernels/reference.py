@@ -1,6 +1,7 @@
 """Torch reference for FP8 (e4m3fn) weight quantization at three granularities.
 
-This is the definition every other kernel is tested against, bit for bit, and the CPU default.
+This is the definition every other kernel is tested against, bit for bit, and what the CPU runs where the
+native kernels (``cpu_native``) are not built or do not apply (float16, non-contiguous tensors).
 The arithmetic is fixed so that any implementation can reproduce it exactly:
 
     amax  = max(|w|) over the scale's group, in float32 (exact: max involves no rounding)
