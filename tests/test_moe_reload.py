@@ -291,3 +291,36 @@ def test_a_failure_inside_the_first_expert_reports_the_layer(pair, monkeypatch):
         layerwise.reload_weights(model, [(k, t) for k, t in Checkpoint(b) if ".experts." in k])
     first_moe_layer = 1 if arch == "Qwen3MoeForCausalLM" else 0  # the Qwen3-MoE checkpoint's layer 0 is dense
     assert e.value.updated_modules == [f"model.layers.{first_moe_layer}.{MOE_NAMES[arch][0]}.experts"]
+
+
+def test_expert_loads_are_recorded_once_per_projection(pair, monkeypatch):
+    # FusedMoE declares its loader translation-invariant (unit_shard_origin): expert e's loads are expert 0's
+    # recordings moved by e experts, so each MoE layer makes 3 meta runs (gate, up, down) instead of 3 per expert
+    import layerwise.reload.session as session
+
+    arch, a, _ = pair
+    calls = []
+    record = session.record_loader
+    monkeypatch.setattr(
+        session, "record_loader", lambda loader, meta, w, shard: calls.append(shard) or record(loader, meta, w, shard)
+    )
+    model = layerwise.load_model(a)
+    expert_shards = [s for s in calls if isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], int)]
+    n_moe = sum(1 for _, m in model.named_modules() if type(m).__name__ == "FusedMoE")
+    assert len(expert_shards) == 3 * n_moe and {s[0] for s in expert_shards} == {0}
+
+
+def test_a_loader_writing_outside_its_expert_is_refused(pair, monkeypatch):
+    from layerwise.errors import LayerwiseError
+    from layerwise.layers.fused_moe import FusedMoE
+
+    arch, a, _ = pair
+    original = FusedMoE.weight_loader
+
+    def off_by_one(self, param, loaded_weight, shard_id):  # expert e's tensor written into expert e + 1
+        expert_id, shard = shard_id
+        return original(self, param, loaded_weight, ((expert_id + 1) % self.num_experts, shard))
+
+    monkeypatch.setattr(FusedMoE, "weight_loader", off_by_one)
+    with pytest.raises(LayerwiseError, match="writes outside"):
+        layerwise.load_model(a)

@@ -165,6 +165,12 @@ class FusedMoE(nn.Module):
 
     # --- per-expert processing units (layerwise/reload/session.py) -----------------------------------
 
+    def unit_shard_origin(self, shard_id: tuple[int, str]) -> tuple[int, tuple[int, str]]:
+        """(expert id, the same load's shard_id for expert 0): :meth:`weight_loader` writes expert e's load exactly
+        as expert 0's, moved by e experts, so the session records one expert's loads on the meta device and
+        translates them (the check that a load stays inside its expert is made on that recording)."""
+        return shard_id[0], (0, shard_id[1])
+
     def processing_unit(self, param_name: str, shard_id: tuple[int, str]) -> tuple[str, int]:
         """The unit a load belongs to: (parameter name, expert id), i.e. ``param[expert_id]``."""
         return param_name, shard_id[0]

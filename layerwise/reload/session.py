@@ -184,8 +184,6 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
     CPU) with its checkpoint ``key`` (for error messages), adds to ``info.load_numel``, and once
     ``load_numel`` reaches ``load_numel_total`` processes the module.
     """
-    original = info.weight_loaders[param_name]
-    meta_param = info.restore_metadata[param_name]
 
     def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None, *, key: str | None = None):
         session = info.session  # always set: loaders are wrapped only inside a session
@@ -194,7 +192,7 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
                 f"module {info.prefix} was already loaded in this session; {info.prefix}.{param_name} is written again",
                 key=key,
             )
-        writes, verbatim_at = _recorded(info, original, param_name, meta_param, loaded_weight, shard_id)
+        writes, verbatim_at = _recorded(module, info, param_name, loaded_weight, shard_id)
         if info.unit_numel:  # Limitations 9: counted, buffered and processed per unit
             load = BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at)
             _load_unit(module, info, param_name, writes, load)
@@ -214,20 +212,28 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
     return loader
 
 
-def _recorded(info: LayerReloadingInfo, original, param_name: str, meta_param, loaded_weight, shard_id):
+def _recorded(module: nn.Module, info: LayerReloadingInfo, param_name: str, loaded_weight, shard_id):
     """:func:`record_loader` of one load, remembered per (parameter, loaded shape, strides, dtype, shard_id): the
-    meta run sees nothing else of the loaded tensor, so the same call records the same writes. An MoE layer's
-    768 loads of the same shapes, or the next reload, then skip the ~150 us meta run (Limitations 1)."""
+    meta run sees nothing else of the loaded tensor, so the same call records the same writes, and the next
+    reload skips the ~150 us meta run (Limitations 1). A unit-wise module whose loader writes unit i's load as
+    unit 0's moved by i units declares it (``unit_shard_origin``: FusedMoE's experts); its loads are recorded
+    once for unit 0 and translated, so an MoE layer's 768 expert loads make 3 meta runs (Limitations 9)."""
+    original, meta_param = info.weight_loaders[param_name], info.restore_metadata[param_name]
+    origin = getattr(module, "unit_shard_origin", None) if info.unit_numel else None
+    index, recorded_shard = origin(shard_id) if origin is not None else (0, shard_id)
     stride = tuple(loaded_weight.stride()) if isinstance(loaded_weight, torch.Tensor) else None  # lazy: contiguous
-    key = (param_name, tuple(loaded_weight.shape), stride, loaded_weight.dtype, shard_id)
+    key = (param_name, tuple(loaded_weight.shape), stride, loaded_weight.dtype, recorded_shard)
     try:
-        return info.recorded[key]
+        result = info.recorded[key]
     except KeyError:
-        pass
+        result = info.recorded[key] = record_loader(original, meta_param, loaded_weight, recorded_shard)
     except TypeError:  # an unhashable shard_id: recorded every time
-        return record_loader(original, meta_param, loaded_weight, shard_id)
-    info.recorded[key] = result = record_loader(original, meta_param, loaded_weight, shard_id)
-    return result
+        result = record_loader(original, meta_param, loaded_weight, recorded_shard)
+    if index == 0:
+        return result
+    shift = index * info.unit_numel[param_name]
+    writes, verbatim_at = result
+    return [(starts + shift, length) for starts, length in writes], None if verbatim_at is None else verbatim_at + shift
 
 
 def _unit_name(info: LayerReloadingInfo, unit: Hashable) -> str:
