@@ -55,8 +55,9 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    reload the live kernel tensors, so every data_ptr is kept). Its loader must write only
    ``param[i]`` (checked on meta for every load recorded). A module whose loader writes unit i's load
    as unit 0's moved by i units says so (``unit_shard_origin(shard_id)``: FusedMoE): its loads are then
-   recorded once for unit 0 and translated (3 meta runs an MoE layer, not 3 per expert). A reload may bring any subset of whole units
-   (partial reload of some experts; the module is reported updated); a unit partly written is an
+   recorded once for unit 0 and translated (3 meta runs an MoE layer, not 3 per expert). A reload may
+   bring any subset of whole units (partial reload of some experts; the module is reported updated); a
+   unit partly written is an
    error naming the missing checkpoint keys. A failed non-atomic reload reports the module as
    updated as soon as one unit was written; atomic stages a copy of the whole layer's kernel tensors.
 """
