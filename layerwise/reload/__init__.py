@@ -34,6 +34,17 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    module staged, in the checkpoint dtype) for the next reload, which then allocates almost nothing.
    ``release_staging(model)`` frees it; ``staging_bytes(model)`` reports it. Two cases skip staging
    (Limitations 10 and 11), so a reload may keep no buffer at all.
+9. A module that declares processing units (``FusedMoE``: ``processing_unit(param_name, shard_id)``
+   -> ``(param_name, i)``, i.e. ``param[i]``, one expert's w13 or w2) is counted, buffered and
+   processed per unit: only one unit is ever materialized in the checkpoint dtype, and it is
+   quantized straight into its slice of the layer's kernel tensors (allocated at the first unit; on a
+   reload the live kernel tensors, so every data_ptr is kept). Its loader must write only
+   ``param[i]`` (checked on meta for every load recorded). A module whose loader writes unit i's load
+   as unit 0's moved by i units says so (``unit_shard_origin(shard_id)``: FusedMoE): its loads are then
+   recorded once for unit 0 and translated (3 meta runs an MoE layer, not 3 per expert). A reload may
+   bring any subset of whole units (partial reload of some experts; the module is reported updated); a
+   unit partly written is an error naming the missing checkpoint keys. A failed non-atomic reload reports the module as
+   updated as soon as one unit was written; atomic stages a copy of the whole layer's kernel tensors.
 10. A weight whose every load is a verbatim copy (``counting.record_loader``: the whole loaded tensor,
    same dtype, into one contiguous region; no TP slice, cast or transpose) of a tensor already on the
    session's device is not materialized: a quant method that accepts pieces
@@ -48,18 +59,6 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    overwritten before its finiteness check: one that then fails the check is reported as updated
    (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the
    all-or-nothing behaviour.
-9. A module that declares processing units (``FusedMoE``: ``processing_unit(param_name, shard_id)``
-   -> ``(param_name, i)``, i.e. ``param[i]``, one expert's w13 or w2) is counted, buffered and
-   processed per unit: only one unit is ever materialized in the checkpoint dtype, and it is
-   quantized straight into its slice of the layer's kernel tensors (allocated at the first unit; on a
-   reload the live kernel tensors, so every data_ptr is kept). Its loader must write only
-   ``param[i]`` (checked on meta for every load recorded). A module whose loader writes unit i's load
-   as unit 0's moved by i units says so (``unit_shard_origin(shard_id)``: FusedMoE): its loads are then
-   recorded once for unit 0 and translated (3 meta runs an MoE layer, not 3 per expert). A reload may
-   bring any subset of whole units (partial reload of some experts; the module is reported updated); a
-   unit partly written is an
-   error naming the missing checkpoint keys. A failed non-atomic reload reports the module as
-   updated as soon as one unit was written; atomic stages a copy of the whole layer's kernel tensors.
 """
 
 from layerwise.reload.session import (
