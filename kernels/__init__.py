@@ -49,7 +49,7 @@ def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
 
 def has_non_finite(t: torch.Tensor) -> bool:
     """Whether ``t`` holds NaN or +-Inf (:func:`reference.has_non_finite`; one native amax pass on CPU)."""
-    if t.is_floating_point() and t.dtype != FP8_DTYPE and cpu_native.supports(t):
+    if cpu_native.supports(t):  # a bfloat16 or float32 CPU tensor
         return not bool(torch.isfinite(cpu_native.amax(t, "tensor")))
     return reference.has_non_finite(t)
 
@@ -61,7 +61,6 @@ def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch"
 
         return fp8_amax_triton(w, granularity)
     if cpu_native.supports(w):
-        scale_shape(w.shape, granularity)  # the reference's ValueError for a bad granularity or shape
         return cpu_native.amax(w, granularity)
     return reference.amax(w, granularity)
 
@@ -73,7 +72,6 @@ def fp8_scale(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch
         NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
     if kernel != "triton" and cpu_native.supports(w):
-        scale_shape(w.shape, granularity)  # the reference's ValueError for a bad granularity or shape
         return cpu_native.scale(w, granularity)
     return scale_from_amax(fp8_amax(w, granularity, kernel))
 

@@ -142,8 +142,7 @@ static void quantize_row(const Work *w, const char *p, uint8_t *dst, int64_t n, 
         quantize_row_f32((const float *)p, dst, n, scale, per);
 }
 
-static void *amax_worker(void *arg) {
-    Work *w = (Work *)arg;
+static void amax_worker(Work *w) {
     const size_t es = elem_size(w->dtype);
     const int64_t k = w->k;
     if (w->granularity == 0) {
@@ -158,7 +157,7 @@ static void *amax_worker(void *arg) {
         uint32_t *m = malloc((kb > 0 ? kb : 1) * sizeof(uint32_t)); /* running maxima of one block row, as bits */
         if (!m) {
             w->failed = 1;
-            return NULL;
+            return;
         }
         for (int64_t rb = w->lo; rb < w->hi; rb++) {
             float *o = w->out + rb * kb;
@@ -174,11 +173,9 @@ static void *amax_worker(void *arg) {
         }
         free(m);
     }
-    return NULL;
 }
 
-static void *quantize_worker(void *arg) {
-    Work *w = (Work *)arg;
+static void quantize_worker(Work *w) {
     const size_t es = elem_size(w->dtype);
     const int64_t k = w->k;
     if (w->granularity == 0) {
@@ -190,14 +187,13 @@ static void *quantize_worker(void *arg) {
         for (int64_t r = w->lo; r < w->hi; r++)
             quantize_row(w, w->src + r * k * es, w->dst + r * k, k, w->out + (r / BLOCK) * kb, BLOCK);
     }
-    return NULL;
 }
 
 /* Split [0, total) into n_threads ranges (aligned to `align`) and run fn on each. The threads are OpenMP's:
  * linked against libgomp.so.1, the extension binds to the libgomp torch already loaded (same soname), so
  * the work runs on torch's own intra-op threads. Threads of our own would compete with those, which spin
  * for a while after each torch op: measured here, a second pthread then gained nothing. */
-static int run_split(void *(*fn)(void *), Work *base, int64_t total, int64_t align, int n_threads, Work *works) {
+static int run_split(void (*fn)(Work *), Work *base, int64_t total, int64_t align, int n_threads, Work *works) {
     int64_t units = (total + align - 1) / align;
     if (n_threads > units) n_threads = (int)(units > 0 ? units : 1);
     for (int t = 0; t < n_threads; t++) {

@@ -89,7 +89,9 @@ def _rows(w: torch.Tensor, granularity: str) -> tuple[int, int]:
 
 def amax(w: torch.Tensor, granularity: str) -> torch.Tensor:
     """max(|w|) per group, float32 of :func:`reference.scale_shape`; NaN where a group holds NaN, Inf where
-    it holds Inf (and no NaN). ``w``: a tensor :func:`supports` takes; 2-D for "channel" and "block"."""
+    it holds Inf (and no NaN). ``w``: a tensor :func:`supports` takes; 2-D for "channel" and "block".
+    Raises ValueError (from ``scale_shape``) for an unknown granularity or a per-channel/per-block ``w`` that is
+    not 2-D."""
     out = torch.empty(scale_shape(w.shape, granularity), dtype=torch.float32)
     n, k = _rows(w, granularity)
     code = GRANULARITY_CODES[granularity]

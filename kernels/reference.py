@@ -279,18 +279,18 @@ def quantize(
             # widen, then divide in place: a mixed-dtype torch.div(bf16, f32, out=f32) is 4-16x slower on CPU
             # (an 8192 x 4096 bf16 weight, per tensor: 763 ms vs 46 ms; clone 56 ms)
             tmp.copy_(src[:, c0:c1])
-            quantize_widened(tmp, scale, dst[:, c0:c1], within_range=within_range)
+            _quantize_widened(tmp, scale, dst[:, c0:c1], within_range=within_range)
         return out
     for r0, r1 in _row_chunks(n, k):
         tmp = buf[: (r1 - r0) * k].view(r1 - r0, k)
         tmp.copy_(src[r0:r1])
-        quantize_widened(tmp, _scale_rows(scale, granularity, r0, r1), dst[r0:r1], within_range=within_range)
+        _quantize_widened(tmp, _scale_rows(scale, granularity, r0, r1), dst[r0:r1], within_range=within_range)
     return out
 
 
 def _scale_rows(scale: torch.Tensor, granularity: str, r0: int, r1: int) -> torch.Tensor:
     """The rows of a per-channel ([N, 1]) or per-block ([ceil(N/128), ceil(K/128)]) scale that rows [r0, r1)
-    of the weight use, in the layout :func:`quantize_widened` takes; a per-tensor scale unchanged."""
+    of the weight use, in the layout :func:`_quantize_widened` takes; a per-tensor scale unchanged."""
     if granularity == "tensor":
         return scale
     if granularity == "channel":
@@ -298,7 +298,7 @@ def _scale_rows(scale: torch.Tensor, granularity: str, r0: int, r1: int) -> torc
     return _expand_rows(scale, "block_rows", r0, r1, 0)  # [rows, ceil(K / 128)]
 
 
-def quantize_widened(
+def _quantize_widened(
     tmp: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, within_range: bool = False
 ) -> torch.Tensor:
     """The divide-clamp-cast half of :func:`quantize`, on a weight already widened to float32.

@@ -17,13 +17,10 @@ Expert e's slice is exactly what the dense scheme makes of the [2I, H] (or [H, I
 kernels (``layerwise.kernels`` fp8_amax / scale_from_amax / fp8_quantize, with the scheme's kernel),
 so its bytes equal torch's own cast ``(w.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``. A
 per-block w13 is blocked as one [2I, H] matrix, so when I is not a multiple of 128 a block spans gate
-and up rows. On CPU the torch kernel's native pass (``kernels/cpu_native.py``) takes the whole expert's amax,
-then quantizes it straight into its FP8 slice, with no work buffer. Where that extension is not built, the
-torch reference takes the whole expert's amax first (``reference.amax``: for a 16-bit expert
-of 2^18 elements or more a float32 row-chunk buffer of 1 MiB, or 128 rows x K x 4 bytes per block), then
-quantizes in tiles of about 1/8 of the expert (:func:`expert_tiles`, whole 128-blocks for per-block scales),
-each widened once into a reused float32 work buffer (a quarter of the expert's BF16 bytes) and cast straight
-into the expert's FP8 slice. The Triton kernels run 2 tiles (amax of both first, then the quantization).
+and up rows. The torch kernel takes the whole expert's amax, then quantizes it straight into its FP8 slice:
+on CPU in one native pass each (``kernels/cpu_native.py``), else through the reference, whose float32 work
+buffers are row chunks of at most 1 MiB (or 128 rows x K x 4 bytes for per-block amax). The Triton kernels
+quantize 2 tiles (:func:`expert_tiles`), which bounds their FP8 output, and copy each into the slice.
 
 Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
 the expert's slice: W8A8 (``torch._scaled_mm``, activations quantized per tensor or per token) where
@@ -39,16 +36,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from layerwise.kernels import (
-    BLOCK_SIZE,
-    FP8_DTYPE,
-    cpu_native,
-    fp8_quantize,
-    fp8_quantize_pieces,
-    fp8_scale,
-    pieces_fit,
-)
-from layerwise.kernels.reference import quantize_widened
+from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, fp8_quantize, fp8_quantize_pieces, fp8_scale, pieces_fit
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
 
@@ -132,12 +120,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         """Quantize ``weight`` [N, K] into ``kernel_tensors[param_name][expert_id]`` and its scale slice.
 
         Given ``weight_pieces`` (the expert's verbatim loads, ``weight`` None): amax over the pieces, then each
-        piece straight into its rows of the FP8 slice (``fp8_quantize_pieces``). On CPU with the native kernels:
-        the whole expert's amax, then one pass into the slice. Else the whole expert's amax first (the torch
-        reference's ``amax`` makes no float32 copy of the expert, only a row chunk of one, see the module
-        docstring), then tile by tile: the torch reference widens each 1/8-expert tile into one reused float32
-        work buffer (a quarter of the expert's BF16 bytes), divides and casts into the FP8 slice; Triton
-        quantizes 2 tiles (bounding its FP8 output).
+        piece straight into its rows of the FP8 slice (``fp8_quantize_pieces``). Else the whole expert's scale,
+        then the torch kernel writes the slice itself (see the module docstring) and Triton quantizes 2 tiles.
 
         Raises:
             NonFiniteWeightError: ``weight`` holds NaN or Inf (raised by the scale, before any write).
@@ -146,27 +130,14 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         g, (n, k) = self.granularity, q.shape
         if weight_pieces is not None:  # from the loaded tensors themselves; raises before any write
             scale = fp8_quantize_pieces(weight_pieces, q.shape, g, q, self.kernel)
-            kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
-            return
-        scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
-        if self.kernel == "torch" and cpu_native.supports(weight, q):  # one fused pass, no work buffer
-            fp8_quantize(weight, scale, within_range=True, out=q)
-            kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
-            return
-        tiles = expert_tiles(n, k, BLOCK_SIZE[0] if g == "block" else 1, parts=8 if self.kernel == "torch" else 2)
-        if self.kernel == "torch":
-            numel = max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in tiles)
-            work = torch.empty(numel, dtype=torch.float32, device=weight.device)
-        for r0, r1, c0, c1 in tiles:
-            tile_scale = _tile_scale(scale, g, r0, r1, c0, c1)
+        else:
+            scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
             if self.kernel == "torch":
-                tmp = work[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-                tmp.copy_(weight[r0:r1, c0:c1])
-                if g == "block":  # one scale row per weight row (the tile starts on a block row)
-                    tile_scale = tile_scale.repeat_interleave(BLOCK_SIZE[0], dim=0)[: r1 - r0]
-                quantize_widened(tmp, tile_scale, q[r0:r1, c0:c1], within_range=True)
+                fp8_quantize(weight, scale, within_range=True, out=q)
             else:
-                q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
+                for r0, r1, c0, c1 in expert_tiles(n, k, BLOCK_SIZE[0] if g == "block" else 1, parts=2):
+                    tile_scale = _tile_scale(scale, g, r0, r1, c0, c1)
+                    q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
         kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
 
     def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:

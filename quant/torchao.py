@@ -359,12 +359,11 @@ class TorchaoLinearMethod(QuantMethod):
         # the native CPU kernels (they need no float32 work buffer), else chunk by chunk
         spans = [(r0, min(r0 + rows, n)) for r0 in sorted(references)]
         native = local_rows is _float8_rows and inner["qdata"].dtype == FP8_DTYPE and cpu_native.supports(weight)
-        step = n if native else rows
         rest = [r for r in range(0, n, rows) if r not in references]
-        for i in range(0, len(rest), max(1, step // rows)):
-            run = rest[i : i + max(1, step // rows)]
-            contiguous = run[-1] - run[0] == (len(run) - 1) * rows
-            spans += [(run[0], min(run[-1] + rows, n))] if contiguous else [(r, min(r + rows, n)) for r in run]
+        if native and rest:  # one run: the references are the first chunk and the shorter last one
+            spans.append((rest[0], min(rest[-1] + rows, n)))
+        else:
+            spans += [(r, min(r + rows, n)) for r in rest]
         for r0, r1 in spans:
             local_rows(weight[r0:r1], {name: inner[name][r0:r1] for name in names}, ctx, work)
             reference = references.get(r0)

@@ -41,7 +41,7 @@ class WriteRecorder(EagerDispatchMode):
             self.writes.append(intervals_of_view(dst.storage_offset(), tuple(dst.shape), tuple(dst.stride())))
             src = args[1] if func is aten.copy_.default else None
             if (
-                src is not None
+                self.source is not None
                 and src is self.source
                 and (src.dtype, src.numel()) == (dst.dtype, dst.numel())
                 and src.is_contiguous()
@@ -75,13 +75,6 @@ def record_loader(
     verbatim = len(recorder.writes) == 1 and recorder.verbatim and not recorder.other_mutations
     verbatim_at = recorder.verbatim[0] if verbatim else None
     return recorder.writes, verbatim_at
-
-
-def record_loader_writes(
-    loader: Callable, meta_param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any
-) -> list:
-    """The writes of :func:`record_loader` alone."""
-    return record_loader(loader, meta_param, loaded_weight, shard_id)[0]
 
 
 def written_numel(writes: list) -> int:

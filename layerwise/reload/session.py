@@ -395,12 +395,13 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
     quant_method = getattr(module, "quant_method", None)
     live = info.kernel_tensors if info.kernel_tensors and not session.atomic else None  # written right away
-    pieces = _weight_pieces(module, info)
+    pieces = None
     if live is not None and _loads_into_kernel_tensors(module, info):
         # processing only checks these parameters: the loads are replayed straight into the live tensors
         materialize_layer(module, info, session.device, into=live)
         info.in_place = True
     else:
+        pieces = _weight_pieces(module, info)
         # staged (CPU): what processing replaces (an FP8 method's weight); on a non-atomic reload every module,
         # whose processed values are copied into the kernel tensors right away (an atomic one keeps them)
         replaced = quant_method is not None and quant_method.replaces_weight

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from layerwise.quant.parameters import ModelWeightParameter, default_weight_loader
-from layerwise.reload.counting import record_loader_writes, written_numel
+from layerwise.reload.counting import record_loader, written_numel
 from layerwise.reload.types import coverage
 
 
@@ -30,7 +30,7 @@ def test_a_fused_shard_write_is_counted_exactly(shard_id):
     loader = _shard_loader(offsets)
     meta = ModelWeightParameter(torch.empty(16, 5, device="meta"), loader, output_dim=0)
     loaded = torch.randn(offsets[shard_id][1], 5)
-    writes = record_loader_writes(loader, meta, loaded, shard_id)
+    writes = record_loader(loader, meta, loaded, shard_id)[0]
     assert written_numel(writes) == _real_written(loader, (16, 5), loaded, shard_id) == loaded.numel()
     unwritten, doubled = coverage(writes, meta.numel())
     assert (unwritten, doubled) == (meta.numel() - loaded.numel(), 0)
@@ -42,9 +42,9 @@ def test_three_shards_cover_the_parameter_and_a_repeat_is_a_double_write():
     meta = ModelWeightParameter(torch.empty(16, 5, device="meta"), loader, output_dim=0)
     writes = []
     for shard_id, (_, size) in offsets.items():
-        writes += record_loader_writes(loader, meta, torch.randn(size, 5), shard_id)
+        writes += record_loader(loader, meta, torch.randn(size, 5), shard_id)[0]
     assert coverage(writes, meta.numel()) == (0, 0)
-    writes += record_loader_writes(loader, meta, torch.randn(4, 5), "k")
+    writes += record_loader(loader, meta, torch.randn(4, 5), "k")[0]
     assert coverage(writes, meta.numel()) == (0, 20)
 
 
@@ -55,7 +55,7 @@ def test_recording_touches_no_real_memory_and_passes_loader_errors_through():
     meta = ModelWeightParameter(torch.empty(16, 5, device="meta"), loader, output_dim=0)
     loaded = torch.randn(8, 5)
     before = loaded.clone()
-    record_loader_writes(loader, meta, loaded, "q")
+    record_loader(loader, meta, loaded, "q")
     assert torch.equal(loaded, before) and meta.device.type == "meta"
     with pytest.raises(WeightShapeError):
-        record_loader_writes(loader, meta, torch.randn(7, 5), "q")
+        record_loader(loader, meta, torch.randn(7, 5), "q")
