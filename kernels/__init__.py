@@ -102,15 +102,14 @@ def fp8_quantize(
 
 def pieces_fit(shape: torch.Size | tuple, spans: list[tuple[int, int]], granularity: str) -> bool:
     """Whether a weight of ``shape`` given as pieces at flat element ``spans`` [(offset, numel)] can be quantized
-    piece by piece at ``granularity`` (:func:`fp8_quantize_pieces`): per tensor always; per channel when every
-    piece is whole rows; per block when every piece is whole 128-row blocks (the last may be ragged)."""
+    piece by piece at ``granularity`` (:func:`fp8_quantize_pieces`): per tensor always; per channel and per block
+    when every piece is whole rows (per block a piece may start or end inside a 128-row block)."""
     if granularity == "tensor":
         return True
     if len(shape) != 2:
         return False
-    n, k = shape
-    rows = k if granularity == "channel" else BLOCK_SIZE[0] * k
-    return all(off % rows == 0 and (numel % rows == 0 or off + numel == n * k) for off, numel in spans)
+    k = shape[1]
+    return all(off % k == 0 and numel % k == 0 for off, numel in spans)
 
 
 def fp8_quantize_pieces(
@@ -130,28 +129,81 @@ def fp8_quantize_pieces(
     Raises:
         NonFiniteWeightError: a piece holds NaN or Inf (nothing is written).
     """
-    flat = out.view(-1)
+    scale = _pieces_scale(pieces, shape, granularity, kernel)
+    _quantize_pieces_with(pieces, scale, shape, granularity, out, kernel)
+    return scale
+
+
+def fp8_quantize_pieces_batch(
+    weights: list[list[tuple[int, torch.Tensor]]],
+    shape: torch.Size | tuple,
+    granularity: str,
+    outs: list[torch.Tensor],
+    kernel: str,
+) -> torch.Tensor:
+    """:func:`fp8_quantize_pieces` of several weights of one ``shape`` (an MoE layer's experts): on CPU two native
+    calls over all their pieces, run in parallel (:func:`cpu_native.quantize_batch`), else weight by weight.
+
+    Args:
+        weights: per weight, its pieces as in :func:`fp8_quantize_pieces`.
+        outs: per weight, its contiguous float8_e4m3fn output of ``shape``.
+    Returns:
+        the scales, float32 [len(weights), *scale_shape(shape)].
+    Raises:
+        NonFiniteWeightError: a weight holds NaN or Inf; every scale is computed before the first write, so
+            nothing is written.
+    """
+    if kernel != "triton" and cpu_native.supports_batch(weights, outs):
+        return cpu_native.quantize_batch(weights, shape, granularity, outs)
+    scales = [_pieces_scale(pieces, shape, granularity, kernel) for pieces in weights]
+    for pieces, scale, out in zip(weights, scales, outs, strict=True):
+        _quantize_pieces_with(pieces, scale, shape, granularity, out, kernel)
+    return torch.stack(scales)
+
+
+def _block_rows(pieces: list[tuple[int, torch.Tensor]], k: int, granularity: str):
+    """(first scale row, part as [rows, k], flat offset) of each piece of a per-channel or per-block weight. Per
+    block a piece that starts inside a 128-row block is cut where the next block starts, so that every part
+    starts a block or lies inside one (a block shared by two pieces takes its scale from both)."""
+    per = 1 if granularity == "channel" else BLOCK_SIZE[0]  # weight rows per scale row
+    for off, t in pieces:
+        rows, r0 = t.numel() // k, off // k
+        m = t.view(rows, k)
+        cut = min(rows, -r0 % per)  # rows before the next block starts: 0 where the piece starts one
+        if cut:
+            yield r0 // per, m[:cut], off
+        if cut < rows:
+            yield (r0 + cut) // per, m[cut:], off + cut * k
+
+
+def _pieces_scale(pieces: list[tuple[int, torch.Tensor]], shape, granularity: str, kernel: str) -> torch.Tensor:
+    """The scale(s) of a weight given as pieces (see :func:`fp8_quantize_pieces`); raises NonFiniteWeightError."""
     if granularity == "tensor":
         if len(pieces) == 1:
-            scale = fp8_scale(pieces[0][1].reshape(-1), "tensor", kernel)
-        else:
-            scale = scale_from_amax(torch.stack([fp8_amax(t.reshape(-1), "tensor", kernel) for _, t in pieces]).amax())
+            return fp8_scale(pieces[0][1].reshape(-1), "tensor", kernel)
+        return scale_from_amax(torch.stack([fp8_amax(t.reshape(-1), "tensor", kernel) for _, t in pieces]).amax())
+    amax = torch.zeros(scale_shape(shape, granularity), dtype=torch.float32, device=pieces[0][1].device)
+    for s0, part, _ in _block_rows(pieces, shape[1], granularity):
+        a = fp8_amax(part, granularity, kernel)
+        rows = amax[s0 : s0 + a.shape[0]]
+        torch.maximum(rows, a, out=rows)  # a block row shared by two pieces takes the max of both; NaN stays
+    return scale_from_amax(amax)
+
+
+def _quantize_pieces_with(
+    pieces: list[tuple[int, torch.Tensor]], scale: torch.Tensor, shape, granularity: str, out: torch.Tensor, kernel: str
+) -> None:
+    """Each piece quantized with ``scale`` into its region of ``out`` (see :func:`fp8_quantize_pieces`)."""
+    flat = out.view(-1)
+    if granularity == "tensor":
         for off, t in pieces:
             fp8_quantize(t.reshape(-1), scale, kernel, within_range=True, out=flat[off : off + t.numel()])
-        return scale
-    k = shape[1]
-    per = 1 if granularity == "channel" else BLOCK_SIZE[0]  # weight rows per scale row
-    amax = torch.empty(scale_shape(shape, granularity), dtype=torch.float32, device=out.device)
-    for off, t in pieces:
-        r0 = off // k // per
-        part = fp8_amax(t.view(-1, k), granularity, kernel)
-        amax[r0 : r0 + part.shape[0]] = part
-    scale = scale_from_amax(amax)
-    for off, t in pieces:
-        r0, rows = off // k // per, t.numel() // k
-        part = scale[r0 : r0 + -(-rows // per)]
-        fp8_quantize(t.view(rows, k), part, kernel, within_range=True, out=flat[off : off + t.numel()].view(rows, k))
-    return scale
+        return
+    per = 1 if granularity == "channel" else BLOCK_SIZE[0]
+    for s0, part, off in _block_rows(pieces, shape[1], granularity):
+        rows = part.shape[0]
+        dst = flat[off : off + part.numel()].view(part.shape)
+        fp8_quantize(part, scale[s0 : s0 + -(-rows // per)], kernel, within_range=True, out=dst)
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernel: str = "torch") -> torch.Tensor:
@@ -192,6 +244,7 @@ __all__ = [
     "fp8_amax",
     "has_non_finite",
     "fp8_quantize_pieces",
+    "fp8_quantize_pieces_batch",
     "pieces_fit",
     "fp8_dequantize",
     "fp8_quantize",

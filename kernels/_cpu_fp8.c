@@ -282,6 +282,144 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A batch of pieces (the verbatim loads of several weights of one shape, e.g. every expert of an MoE layer):
+ * `table` is int64 [n_pieces, 5] = (src pointer, dst pointer, numel, scale base, row0). All pieces share dtype,
+ * granularity and k. `scale base` is the flat index of the piece's weight's first scale in the batch's float32
+ * array (one scale per tensor, one per row per channel, ceil(k/128) per 128-row block row per block); per channel
+ * and per block a piece is whole rows starting at row `row0` of its weight, and per block it may start or end
+ * inside a block row (an expert's gate and up rows sharing one), whose scales then take the max of both pieces.
+ * Pieces run in parallel, one thread each (dynamic schedule): each is one expert's gate, up or down, too small
+ * to split well, and the batch is many of them. */
+#define PIECE_COLUMNS 5
+
+static void piece_work(const int64_t *row, int dtype, int granularity, int64_t k, float *scales, Work *w) {
+    w->src = (const char *)(uintptr_t)row[0];
+    w->dst = (uint8_t *)(uintptr_t)row[1];
+    w->dtype = dtype;
+    w->granularity = granularity;
+    w->k = granularity == 0 ? row[2] : k;
+    w->n_rows = granularity == 0 ? 1 : row[2] / k;
+    w->out = scales + row[3] + (granularity == 1 ? row[4] : 0);
+    w->lo = 0;
+    w->hi = granularity == 0 ? row[2] : w->n_rows;
+    w->result = 0;
+    w->failed = 0;
+    w->in_range = 0;
+}
+
+/* *p = max(*p, v) on float bits (non-negative floats order as their bits, NaN above Inf), atomically: two pieces
+ * of one weight may share a scale (per tensor always, per block where a block row spans both). */
+static void atomic_max_bits(float *p, uint32_t v) {
+    uint32_t *q = (uint32_t *)p;
+    uint32_t cur = __atomic_load_n(q, __ATOMIC_RELAXED);
+    while (v > cur && !__atomic_compare_exchange_n(q, &cur, v, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
+/* Per-block amax of a piece whose first row is row0 of its weight, merged into the weight's scales (w->out). */
+static void amax_piece_blocks(Work *w, int64_t row0) {
+    const size_t es = elem_size(w->dtype);
+    const int64_t k = w->k, kb = (k + BLOCK - 1) / BLOCK;
+    uint32_t *m = malloc((kb > 0 ? kb : 1) * sizeof(uint32_t));
+    if (!m) {
+        w->failed = 1;
+        return;
+    }
+    for (int64_t r = 0; r < w->n_rows;) {
+        const int64_t block_row = (row0 + r) / BLOCK;
+        int64_t end = (block_row + 1) * BLOCK - row0;
+        end = end < w->n_rows ? end : w->n_rows;
+        memset(m, 0, kb * sizeof(uint32_t));
+        for (; r < end; r++) {
+            if (w->dtype == 0)
+                absmax_blocks_bf16((const uint16_t *)(w->src + r * k * es), k, m);
+            else
+                absmax_blocks_f32((const uint32_t *)(w->src + r * k * es), k, m);
+        }
+        for (int64_t cb = 0; cb < kb; cb++) atomic_max_bits(w->out + block_row * kb + cb, m[cb]);
+    }
+    free(m);
+}
+
+static int parse_batch(PyObject *args, const int64_t **table, long long *n, int *dtype, int *granularity,
+                       long long *k, float **scales, int *n_threads, int *in_range, int with_range) {
+    unsigned long long table_ptr, scales_ptr;
+    *in_range = 0;
+    int ok = with_range ? PyArg_ParseTuple(args, "KLiiLKi|p", &table_ptr, n, dtype, granularity, k, &scales_ptr,
+                                           n_threads, in_range)
+                        : PyArg_ParseTuple(args, "KLiiLKi", &table_ptr, n, dtype, granularity, k, &scales_ptr,
+                                           n_threads);
+    if (!ok) return 0;
+    if (*dtype < 0 || *dtype > 1 || *granularity < 0 || *granularity > 2 || *n < 0 || *k < 1) {
+        PyErr_SetString(PyExc_ValueError, "bad dtype code, granularity code, piece count or k");
+        return 0;
+    }
+    *table = (const int64_t *)(uintptr_t)table_ptr;
+    *scales = (float *)(uintptr_t)scales_ptr;
+    int64_t numel = 0;
+    for (long long i = 0; i < *n; i++) numel += (*table)[PIECE_COLUMNS * i + 2];
+    *n_threads = threads_for(numel, *n_threads < 1 ? 1 : (*n_threads > MAX_THREADS ? MAX_THREADS : *n_threads));
+    if (*n_threads > *n) *n_threads = (int)(*n > 0 ? *n : 1);
+    return 1;
+}
+
+/* amax of every piece merged into its weight's scales (the caller zeroes the array first). */
+static PyObject *py_amax_pieces(PyObject *self, PyObject *args) {
+    const int64_t *table;
+    long long n, k;
+    int dtype, granularity, n_threads, in_range, failed = 0;
+    float *scales;
+    (void)self;
+    if (!parse_batch(args, &table, &n, &dtype, &granularity, &k, &scales, &n_threads, &in_range, 0)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1) reduction(| : failed)
+    for (long long i = 0; i < n; i++) {
+        const int64_t *row = table + PIECE_COLUMNS * i;
+        Work w;
+        piece_work(row, dtype, granularity, k, scales, &w);
+        if (granularity == 0) {
+            amax_worker(&w);
+            atomic_max_bits(w.out, w.result);
+        } else if (granularity == 1) {
+            amax_worker(&w);
+        } else {
+            amax_piece_blocks(&w, row[4]);
+        }
+        failed |= w.failed;
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* e4m3fn bytes of every piece into its dst, with its weight's scales. */
+static PyObject *py_quantize_pieces(PyObject *self, PyObject *args) {
+    const int64_t *table;
+    long long n, k;
+    int dtype, granularity, n_threads, in_range;
+    float *scales;
+    (void)self;
+    if (!parse_batch(args, &table, &n, &dtype, &granularity, &k, &scales, &n_threads, &in_range, 1)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1)
+    for (long long i = 0; i < n; i++) {
+        const int64_t *row = table + PIECE_COLUMNS * i;
+        Work w;
+        piece_work(row, dtype, granularity, k, scales, &w);
+        w.in_range = in_range;
+        if (granularity < 2) {
+            quantize_worker(&w);
+        } else { /* row r of the piece is row row0 + r of the weight, in block row (row0 + r) / 128 */
+            const int64_t kb = (k + BLOCK - 1) / BLOCK, row0 = row[4];
+            const size_t es = elem_size(dtype);
+            for (int64_t r = 0; r < w.n_rows; r++)
+                quantize_row(&w, w.src + r * k * es, w.dst + r * k, k, w.out + ((row0 + r) / BLOCK) * kb, BLOCK);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* amax -> scale in place, as kernels/reference.py's scale_from_amax: amax / 448 (IEEE float32 division), never
  * below float32's smallest normal, 1.0 where amax == 0. Returns how many entries were NaN or Inf (left as
  * they were); the caller raises if any. */
@@ -312,13 +450,17 @@ static PyMethodDef methods[] = {
      "quantize(src, dtype, granularity, n_rows, k, scale, dst, n_threads, in_range=False): e4m3fn bytes into dst."},
     {"scale_from_amax", py_scale_from_amax, METH_VARARGS,
      "scale_from_amax(ptr, count): float32 amaxes -> scales in place; returns the count of non-finite ones."},
+    {"amax_pieces", py_amax_pieces, METH_VARARGS,
+     "amax_pieces(table, n, dtype, granularity, k, scales, n_threads): amax of a batch of pieces into scales."},
+    {"quantize_pieces", py_quantize_pieces, METH_VARARGS,
+     "quantize_pieces(table, n, dtype, granularity, k, scales, n_threads, in_range=False): a batch of pieces."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fp8", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 /* bumped when the functions' arguments change: kernels/cpu_native.py refuses a stale build of an editable install */
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 
 PyMODINIT_FUNC PyInit__cpu_fp8(void) {
     PyObject *m = PyModule_Create(&module);

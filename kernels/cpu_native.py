@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels.reference import FP8_DTYPE, scale_shape
 
-ABI_VERSION = 2  # _cpu_fp8.ABI_VERSION of the C source this module calls
+ABI_VERSION = 3  # _cpu_fp8.ABI_VERSION of the C source this module calls
 
 try:
     from layerwise.kernels import _cpu_fp8
@@ -39,6 +39,7 @@ if _cpu_fp8 is not None and getattr(_cpu_fp8, "ABI_VERSION", 0) != ABI_VERSION:
     _cpu_fp8 = None
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
+PIECE_COLUMNS = 5  # a piece's row of the batch table: src, dst, numel, its weight's first scale, its first row
 GRANULARITY_CODES = {"tensor": 0, "channel": 1, "block": 2}
 
 
@@ -152,3 +153,62 @@ def quantize(
         w.data_ptr(), DTYPE_CODES[w.dtype], code, n, k, scale.data_ptr(), out.data_ptr(), threads, within_range
     )
     return out
+
+
+def supports_batch(weights: list[list[tuple[int, torch.Tensor]]], outs: list[torch.Tensor]) -> bool:
+    """Whether :func:`quantize_batch` can take these pieces and outputs: every piece a tensor :func:`supports`
+    takes, all of one dtype, every output a plain contiguous float8_e4m3fn CPU tensor."""
+    if _cpu_fp8 is None or torch.compiler.is_compiling() or not weights or len(weights) != len(outs):
+        return False
+    dtype = weights[0][0][1].dtype if weights[0] else None
+    for pieces, out in zip(weights, outs, strict=True):
+        if not (_plain(out) and out.device.type == "cpu" and out.dtype == FP8_DTYPE and out.is_contiguous()):
+            return False
+        if not pieces or any(t.dtype != dtype or not supports(t) for _, t in pieces):
+            return False
+    return True
+
+
+def quantize_batch(
+    weights: list[list[tuple[int, torch.Tensor]]], shape: torch.Size | tuple, granularity: str, outs: list[torch.Tensor]
+) -> torch.Tensor:
+    """Quantize several weights of one ``shape``, each given as contiguous pieces, in two native calls over all
+    their pieces (amax, then quantize; the pieces run in parallel on torch's threads): what
+    ``kernels.fp8_quantize_pieces`` does for one weight, for a whole MoE layer's experts at once.
+
+    Args:
+        weights: per weight, [(flat element offset, tensor)] covering ``shape`` exactly once; per channel and
+            per block whole rows (``kernels.pieces_fit``), which may start inside a 128-row block. Checked here:
+            offsets inside the weight and whole rows (the kernels write through raw pointers).
+        shape: the weights' shape; [N, K] for "channel" and "block".
+        outs: per weight, its contiguous float8_e4m3fn CPU tensor of ``shape`` (:func:`supports_batch`).
+    Returns:
+        the scales, float32 [len(weights), *scale_shape(shape)].
+    Raises:
+        NonFiniteWeightError: a weight holds NaN or Inf (nothing is written); the message names its index.
+        ValueError: a piece outside its weight or not aligned to the granularity, or an output of another size.
+    """
+    total = torch.Size(shape).numel()
+    one = scale_shape(shape, granularity)
+    k = shape[-1] if granularity != "tensor" else 1
+    per_weight = torch.Size(one).numel()
+    table = []
+    for u, (pieces, out) in enumerate(zip(weights, outs, strict=True)):
+        if out.numel() != total:
+            raise ValueError(f"weight {u}: output of {out.numel()} elements for a weight of shape {tuple(shape)}")
+        base = out.data_ptr()
+        for off, t in pieces:
+            n = t.numel()
+            if off < 0 or off + n > total or off % k or n % k:
+                raise ValueError(f"weight {u}: a piece at [{off}, {off + n}) is not whole rows of {tuple(shape)}")
+            table += (t.data_ptr(), base + off, n, u * per_weight, off // k)
+    table = torch.tensor(table, dtype=torch.int64)
+    amax = torch.zeros(len(weights), *one, dtype=torch.float32)
+    dtype, code, threads = DTYPE_CODES[weights[0][0][1].dtype], GRANULARITY_CODES[granularity], torch.get_num_threads()
+    n_pieces = table.numel() // PIECE_COLUMNS
+    _cpu_fp8.amax_pieces(table.data_ptr(), n_pieces, dtype, code, k, amax.data_ptr(), threads)
+    if _cpu_fp8.scale_from_amax(amax.data_ptr(), amax.numel()):  # non-finite entries are left as amax
+        bad = (~torch.isfinite(amax.view(len(weights), -1))).any(1).nonzero().flatten().tolist()
+        raise NonFiniteWeightError(f"weight {bad[0]} of the batch holds NaN or Inf (non-finite amax)")
+    _cpu_fp8.quantize_pieces(table.data_ptr(), n_pieces, dtype, code, k, amax.data_ptr(), threads, True)
+    return amax

@@ -116,6 +116,9 @@ class TensorInfo:
     nbytes: int
 
 
+_CPU = torch.device("cpu")
+
+
 class LazyTensor:
     """A checkpoint tensor (or a box-shaped slice of one) that is read only when materialized.
 
@@ -130,18 +133,15 @@ class LazyTensor:
         info = checkpoint.tensors[key]
         self.checkpoint, self.key, self.full_shape = checkpoint, key, info.shape
         self.box = box if box is not None else tuple((0, n) for n in info.shape)  # (start, stop) per dim
+        self.shape = torch.Size(stop - start for start, stop in self.box)
         self.dtype = _TORCH_DTYPES.get(info.dtype, torch.bfloat16)
-        self.device = torch.device("cpu")
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(stop - start for start, stop in self.box)
+        self.device = _CPU
 
     def numel(self) -> int:
         return self.shape.numel()
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def to(self, device, *args, **kwargs):
         """An empty tensor of this shape on ``device`` "meta" (nothing read); any other device: the data."""

@@ -19,7 +19,9 @@ so its bytes equal torch's own cast ``(w.float() / scale).clamp(-448, 448).to(fl
 per-block w13 is blocked as one [2I, H] matrix, so when I is not a multiple of 128 a block spans gate
 and up rows. The torch kernel takes the whole expert's amax, then quantizes it straight into its FP8 slice:
 on CPU in one native pass each (``kernels/cpu_native.py``), else through the reference, whose float32 work
-buffers are row chunks of at most 1 MiB (or 128 rows x K x 4 bytes for per-block amax). The Triton kernels
+buffers are row chunks of at most 1 MiB (or 128 rows x K x 4 bytes for per-block amax). Experts given as their
+loaded tensors (pieces: the session's ``process_experts`` batches of a layer read from a checkpoint) are
+quantized where they lie, a whole batch in two native passes on CPU (``fp8_quantize_pieces_batch``). The Triton kernels
 quantize 2 tiles (:func:`expert_tiles`), which bounds their FP8 output, and copy each into the slice.
 
 Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
@@ -36,7 +38,15 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from layerwise.kernels import BLOCK_SIZE, FP8_DTYPE, fp8_quantize, fp8_quantize_pieces, fp8_scale, pieces_fit
+from layerwise.kernels import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    fp8_quantize,
+    fp8_quantize_pieces,
+    fp8_quantize_pieces_batch,
+    fp8_scale,
+    pieces_fit,
+)
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
 
@@ -139,6 +149,20 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                     tile_scale = _tile_scale(scale, g, r0, r1, c0, c1)
                     q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
         kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
+
+    def process_experts(self, layer, param_name, expert_ids, weight_pieces, kernel_tensors) -> None:
+        """Experts ``expert_ids``, each given as its pieces, into their FP8 slices and scales: one
+        ``fp8_quantize_pieces_batch`` (on CPU two native passes over every piece, in parallel), the same bytes
+        and scales as :meth:`process_expert` of each.
+
+        Raises:
+            NonFiniteWeightError: an expert holds NaN or Inf (raised before any write).
+        """
+        q = kernel_tensors[param_name].data
+        outs = [q[e] for e in expert_ids]
+        scales = fp8_quantize_pieces_batch(weight_pieces, q.shape[1:], self.granularity, outs, self.kernel)
+        scale = kernel_tensors[self.scale_names[param_name]].data
+        scale[torch.tensor(expert_ids, device=scale.device)] = scales.to(scale.device).view(-1, *scale.shape[1:])
 
     def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:
         scale = getattr(layer, self.scale_names[param_name])

@@ -88,6 +88,23 @@ class FusedMoEMethodBase:
         """
         raise NotImplementedError
 
+    def process_experts(
+        self,
+        layer: nn.Module,
+        param_name: str,
+        expert_ids: list[int],
+        weight_pieces: list[list[tuple[int, torch.Tensor]]],
+        kernel_tensors: dict[str, torch.Tensor],
+    ) -> None:
+        """:meth:`process_expert` of several experts at once, each given as its pieces (the session queues a
+        layer's experts whose loads are all verbatim checkpoint tensors). A method whose
+        :meth:`accepts_weight_pieces` can say yes implements it.
+
+        Raises:
+            NonFiniteWeightError: an expert holds NaN or Inf, raised before any expert is written.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes weight pieces but has no process_experts")
+
     def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
         """Whole-layer processing (a layer loaded outside a layerwise session): expert by expert into
         freshly allocated kernel tensors, which then replace the checkpoint-format parameters (``into`` is not

@@ -75,17 +75,19 @@ def test_reload_equals_fresh_load_and_keeps_every_data_ptr(pair, quantization, a
     assert f"model.layers.1.{block}.gate" in report.updated_modules
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensors", "checkpoint-tensors"])
 @pytest.mark.parametrize("atomic", [False, True])
-def test_partial_reload_of_some_experts(pair, atomic):
+def test_partial_reload_of_some_experts(pair, atomic, lazy):
+    # checkpoint tensors (unread until processed) wait to be quantized with the layer's other experts: a partial
+    # reload never completes the layer, so they are quantized at finalize
     arch, a, b = pair
     model = layerwise.load_model(a, quantization="fp8")
     fresh_a = _experts(layerwise.load_model(a, quantization="fp8"))
     fresh_b = _experts(layerwise.load_model(b, quantization="fp8"))
     snap = _snapshot(model)
     changed = {2, 5}
-    stream = [
-        (k, t) for k, t in Checkpoint(b) if any(f".layers.1.{MOE_NAMES[arch][0]}.experts.{e}." in k for e in changed)
-    ]
+    tensors = Checkpoint(b).iter_lazy() if lazy else Checkpoint(b)
+    stream = [(k, t) for k, t in tensors if any(f".layers.1.{MOE_NAMES[arch][0]}.experts.{e}." in k for e in changed)]
     assert len(stream) == 6
     report = layerwise.reload_weights(model, stream, atomic=atomic)
     _assert_in_place(model, snap)
@@ -257,6 +259,69 @@ def test_non_finite_expert_names_its_key_and_reports_what_changed(pair, atomic):
     )
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).float()).all()
+
+
+def _nan_checkpoint(src, dst, bad_key):
+    """A copy of checkpoint ``src`` in ``dst`` whose tensor ``bad_key`` is all NaN."""
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"][bad_key]
+    for f in src.iterdir():
+        if f.name != shard:
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / shard))
+    tensors[bad_key] = torch.full_like(tensors[bad_key], float("nan"))
+    save_file(tensors, str(dst / shard), metadata={"format": "pt"})
+    return dst
+
+
+def test_non_finite_expert_in_a_checkpoint_directory_names_its_key(pair, tmp_path):
+    # from a directory the layer's experts are quantized together: the error still names the tensor and file
+    arch, a, b = pair
+    bad = _expert_key(arch, 1, 6, 1)
+    nan_dir = _nan_checkpoint(b, tmp_path, bad)
+    shard = json.loads((b / "model.safetensors.index.json").read_text())["weight_map"][bad]
+    with pytest.raises(layerwise.NonFiniteWeightError) as e:
+        layerwise.load_model(nan_dir, quantization="fp8")
+    assert e.value.key == bad and e.value.file.endswith(shard) and "[6]" in str(e.value)
+    model = layerwise.load_model(a, quantization="fp8")
+    fresh_a = layerwise.load_model(a, quantization="fp8")
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, nan_dir, atomic=True)
+    assert isinstance(e.value.cause, layerwise.NonFiniteWeightError) and e.value.key == bad
+    assert e.value.updated_modules == []
+    _assert_same_bytes(model, fresh_a)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, nan_dir)
+    # w13 (gate + up) holds the NaN and is written by no expert; the layer's w2 was written before
+    experts = _experts(model)
+    assert torch.equal(as_bytes(experts.w13_weight), as_bytes(_experts(fresh_a).w13_weight))
+    assert f"model.layers.1.{MOE_NAMES[arch][0]}.experts" in e.value.updated_modules
+
+
+def test_a_checkpoint_load_quantizes_each_layers_experts_together(pair, monkeypatch):
+    # every expert of a layer from the checkpoint's own tensors: one process_experts call per projection and MoE
+    # layer, no expert quantized alone
+    arch, a, _ = pair
+    from layerwise.quant.fp8_moe import Fp8MoEMethod
+
+    calls = []
+    batch, alone = Fp8MoEMethod.process_experts, Fp8MoEMethod.process_expert
+
+    def counted(self, layer, param_name, expert_ids, weight_pieces, kernel_tensors):
+        calls.append((param_name, list(expert_ids)))
+        return batch(self, layer, param_name, expert_ids, weight_pieces, kernel_tensors)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an expert was quantized alone")
+
+    monkeypatch.setattr(Fp8MoEMethod, "process_experts", counted)
+    monkeypatch.setattr(Fp8MoEMethod, "process_expert", refused)
+    model = layerwise.load_model(a, quantization="fp8")
+    monkeypatch.setattr(Fp8MoEMethod, "process_expert", alone)
+    moe_layers = sum(1 for m in model.modules() if type(m).__name__ == "FusedMoE")
+    assert moe_layers >= 2 and len(calls) == 2 * moe_layers
+    assert all(sorted(ids) == list(range(8)) for _, ids in calls)
+    _assert_same_bytes(model, load_from_stream(a, list(Checkpoint(a)), "fp8"))  # expert by expert
 
 
 def test_engine_generates_and_reloads(pair):

@@ -5,7 +5,7 @@ import torch
 
 import layerwise
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import GRANULARITIES, fp8_quantize_pieces, pieces_fit
+from layerwise.kernels import GRANULARITIES, cpu_native, fp8_quantize_pieces, fp8_quantize_pieces_batch, pieces_fit
 from layerwise.quant.parameters import ModelWeightParameter, default_weight_loader
 from layerwise.reload.counting import record_loader
 from tests.hf_checkpoints import write_hf_checkpoint
@@ -18,16 +18,25 @@ def _bits(t):
     return t.reshape(-1).view(torch.uint8)
 
 
+# rows per piece, with different magnitudes so the amax lies in one piece: block-aligned cuts with a ragged last
+# block; and cuts inside 128-row blocks (rows 128-255 are shared by three pieces), as an expert's gate and up
+# share one when the intermediate size is not a multiple of 128
+ROW_SPLITS = {"aligned": [256, 384, 133], "inside-blocks": [200, 30, 410, 133]}
+
+
+def _pieces(sizes, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scales = [0.5, 3.0, 0.01, 1.0]
+    parts = [(torch.randn(n, k, generator=g) * s).to(dtype) for n, s in zip(sizes, scales, strict=False)]
+    offsets = [sum(sizes[:i]) * k for i in range(len(sizes))]
+    return torch.cat(parts), list(zip(offsets, parts, strict=True))
+
+
+@pytest.mark.parametrize("split", ROW_SPLITS)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_pieces_quantize_as_the_assembled_weight(granularity, dtype):
-    # rows split 256 + 384 + 133 (a ragged last block) with different magnitudes, so the amax lies in one piece
-    g = torch.Generator().manual_seed(0)
-    sizes, k = [256, 384, 133], 300
-    parts = [(torch.randn(n, k, generator=g) * s).to(dtype) for n, s in zip(sizes, [0.5, 3.0, 0.01], strict=True)]
-    whole = torch.cat(parts)
-    offsets = [0, 256 * k, 640 * k]
-    pieces = list(zip(offsets, parts, strict=True))
+def test_pieces_quantize_as_the_assembled_weight(split, granularity, dtype):
+    whole, pieces = _pieces(ROW_SPLITS[split], 300, dtype)
     assert pieces_fit(whole.shape, [(o, t.numel()) for o, t in pieces], granularity)
     out = torch.zeros(whole.shape, dtype=FP8)
     scale = fp8_quantize_pieces(pieces, whole.shape, granularity, out, "torch")
@@ -35,13 +44,55 @@ def test_pieces_quantize_as_the_assembled_weight(granularity, dtype):
     assert torch.equal(scale.reshape(want.shape), want) and torch.equal(_bits(out), _bits(q))
 
 
-def test_pieces_fit_whole_rows_and_blocks_only():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "weight-by-weight"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_batch_of_weights_quantizes_as_each_assembled_weight(native, granularity, dtype, monkeypatch):
+    if native and not cpu_native.available():
+        pytest.skip("the _cpu_fp8 extension is not built")
+    if not native:
+        monkeypatch.setattr(cpu_native, "_cpu_fp8", None)
+    weights = [_pieces(sizes, 300, dtype, seed) for seed, sizes in enumerate([*ROW_SPLITS.values(), [773]])]
+    outs = [torch.zeros(773, 300, dtype=FP8) for _ in weights]
+    scales = fp8_quantize_pieces_batch([p for _, p in weights], (773, 300), granularity, outs, "torch")
+    for (whole, _), out, scale in zip(weights, outs, scales, strict=True):
+        q, want = torch_fp8_reference(whole, granularity)
+        assert torch.equal(scale.reshape(want.shape), want) and torch.equal(_bits(out), _bits(q))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "weight-by-weight"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_a_non_finite_weight_in_a_batch_raises_before_any_write(native, granularity, monkeypatch):
+    if native and not cpu_native.available():
+        pytest.skip("the _cpu_fp8 extension is not built")
+    if not native:
+        monkeypatch.setattr(cpu_native, "_cpu_fp8", None)
+    weights = [_pieces(ROW_SPLITS["inside-blocks"], 64, torch.bfloat16, seed)[1] for seed in range(3)]
+    weights[2][1][1][7, 3] = float("inf")
+    outs = [torch.zeros(773, 64, dtype=FP8) for _ in weights]
+    with pytest.raises(NonFiniteWeightError):
+        fp8_quantize_pieces_batch(weights, (773, 64), granularity, outs, "torch")
+    assert not any(_bits(out).any() for out in outs)
+
+
+def test_the_native_batch_refuses_a_piece_outside_its_weight():
+    if not cpu_native.available():
+        pytest.skip("the _cpu_fp8 extension is not built")
+    out = torch.zeros(8, 4, dtype=FP8)
+    with pytest.raises(ValueError, match="not whole rows"):
+        cpu_native.quantize_batch([[(0, torch.ones(4, 4)), (20, torch.ones(4, 4))]], (8, 4), "channel", [out])
+    with pytest.raises(ValueError, match="not whole rows"):
+        cpu_native.quantize_batch([[(2, torch.ones(8, 4))]], (8, 4), "tensor", [out])
+    assert not _bits(out).any()
+
+
+def test_pieces_fit_whole_rows_only():
     shape, k = (640, 300), 300
     assert pieces_fit(shape, [(0, 7), (7, 640 * 300 - 7)], "tensor")
     assert not pieces_fit(shape, [(0, 7), (7, 640 * 300 - 7)], "channel")
+    assert not pieces_fit(shape, [(0, 7), (7, 640 * 300 - 7)], "block")
     assert pieces_fit(shape, [(0, 64 * k), (64 * k, 576 * k)], "channel")
-    assert not pieces_fit(shape, [(0, 64 * k), (64 * k, 576 * k)], "block")  # 64 rows: half a block
-    assert pieces_fit(shape, [(0, 128 * k), (128 * k, 512 * k)], "block")
+    assert pieces_fit(shape, [(0, 64 * k), (64 * k, 576 * k)], "block")  # 64 rows: half a block, shared
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)

@@ -43,15 +43,22 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    as unit 0's moved by i units says so (``unit_shard_origin(shard_id)``: FusedMoE): its loads are then
    recorded once for unit 0 and translated (3 meta runs an MoE layer, not 3 per expert). A reload may
    bring any subset of whole units (partial reload of some experts; the module is reported updated); a
-   unit partly written is an error naming the missing checkpoint keys. A failed non-atomic reload reports the module as
-   updated as soon as one unit was written; atomic stages a copy of the whole layer's kernel tensors.
+   unit partly written is an error naming the missing checkpoint keys. A failed non-atomic reload
+   reports the module as updated as soon as one unit was written; atomic stages a copy of the whole
+   layer's kernel tensors. A complete unit whose loads are all unread checkpoint tensors (lazy: holding
+   them costs nothing) that the quant method takes as pieces (10) is not processed at once: it waits
+   in ``pending_units`` until the module's last unit (or finalize, for a partial reload), and then
+   every waiting unit of a parameter is quantized in one ``process_experts`` call (on CPU two native
+   passes in parallel over all their pieces); a NaN or Inf in any of them is raised, naming its key,
+   before that call writes anything.
 10. A weight whose every load is a verbatim copy (``counting.record_loader``: the whole loaded tensor,
    same dtype, into one contiguous region; no TP slice, cast or transpose) of a tensor already on the
    session's device is not materialized: a quant method that accepts pieces
-   (``accepts_weight_pieces``: FP8 dense and MoE, when the pieces are whole rows / 128-row blocks as
-   its scales need) quantizes the loaded tensors themselves, a memory-mapped checkpoint tensor or the
-   trainer's stream tensor, straight into its FP8 tensor (a non-atomic reload: the live one). The
-   weight stays on meta meanwhile. Loads that do not qualify are staged and replayed as before.
+   (``accepts_weight_pieces``: FP8 dense and MoE, when the pieces are whole rows for per-channel and
+   per-block scales; a 128-row block shared by two pieces takes its scale from both) quantizes the
+   loaded tensors themselves, a memory-mapped checkpoint tensor or the trainer's stream tensor,
+   straight into its FP8 tensor (a non-atomic reload: the live one). The weight stays on meta
+   meanwhile. Loads that do not qualify are staged and replayed as before.
 11. On a non-atomic reload, a module whose kernel tensors are its checkpoint-format parameters (no
    quant method, or ``checkpoint_format``: BF16 linears, embeddings, norms) has its loads replayed
    straight into its live tensors, and an FP8 method writes its bytes into the live weight

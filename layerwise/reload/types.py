@@ -36,7 +36,8 @@ class UnitState:
         load_numel: elements written so far (counted on the meta device).
         writes: flat [start, stop) element intervals written so far, relative to the unit's first element.
         loaded_weights: buffered loader calls, replayed into the unit once it is complete.
-        done: the unit was processed (written into the kernel-format tensors) in this session.
+        done: the unit is complete in this session: processed (written into the kernel-format tensors), or
+            waiting in its module's ``pending_units`` to be processed with others.
     """
 
     load_numel: int = 0
@@ -69,6 +70,8 @@ class LayerReloadingInfo:
         unit_targets: the kernel-format tensors the units are processed into, set at the first unit:
             fresh on a first load, the kernel tensors themselves on a reload, a staged copy when atomic.
         units_done: units processed in this session; the module is done at ``units_total``.
+        pending_units: complete units whose loads are all unread checkpoint tensors taken verbatim, waiting to be
+            quantized together (at the module's last unit, or at finalize after a partial reload).
         units_started: a unit's processing began in this session: its kernel tensors may be partly
             overwritten even if that unit failed (a non-atomic reload reports the module as updated).
         recorded: what each distinct loader call writes (``counting.record_loader`` results by parameter, loaded
@@ -91,6 +94,7 @@ class LayerReloadingInfo:
     units: dict[Hashable, UnitState] = field(default_factory=dict)
     unit_targets: dict[str, torch.Tensor] = field(default_factory=dict)
     units_done: int = 0
+    pending_units: list = field(default_factory=list)
     units_started: bool = False
     units_total: int = 0
     in_place: bool = False
@@ -107,6 +111,7 @@ class LayerReloadingInfo:
         self.units = {}
         self.unit_targets = {}
         self.units_done = 0
+        self.pending_units = []
         self.in_place = False
         self.units_started = False
 
