@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from layerwise.checkpoint import LazyTensor
 from layerwise.errors import DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError, ReloadError
 from layerwise.kernels import has_non_finite
 from layerwise.quant.base import check_finite
@@ -310,7 +311,7 @@ def _batchable(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, stat
     """Whether the unit can wait to be processed with others: every load an unread checkpoint tensor (a lazy
     tensor: holding it costs nothing) that the quant method takes as a piece, on the device of the unit's
     kernel tensors."""
-    if not all(not isinstance(b.loaded_weight, torch.Tensor) for b in state.loaded_weights):
+    if not all(type(b.loaded_weight) is LazyTensor for b in state.loaded_weights):
         return False
     param_name, index = unit
     shape = info.restore_metadata[param_name].shape[1:]
