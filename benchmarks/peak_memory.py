@@ -294,10 +294,11 @@ def add_ratios(rows: list[dict], largest_layer_bytes: int) -> None:
                 r["first_with_import_over_floor"] = r["first_seconds_with_import"] / floor["seconds"]
 
 
-def import_seconds() -> float:
-    """Seconds ``import layerwise`` takes in a fresh interpreter that has imported torch (the part of a
-    user's first load that the workers, which import layerwise before timing, do not see)."""
-    code = "import time, torch; t = time.perf_counter(); import layerwise; print(time.perf_counter() - t)"
+def import_seconds(statement: str = "import layerwise") -> float:
+    """Seconds ``statement`` takes in a fresh interpreter that has imported torch: ``import layerwise`` (the part
+    of a user's first load that the workers, which import layerwise before timing, do not see), or torchao's own
+    import (part of the first load of a ``torchao:*`` scheme, paid by anyone who uses torchao)."""
+    code = f"import time, torch; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     return float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else float("nan")
 
@@ -350,9 +351,16 @@ def run(
             continue
         print(f"  {method}: done in {out.seconds:.1f} s", file=sys.stderr)
     imports = import_seconds()
+    torchao_import = None
     for r in rows:
         if r["method"].startswith("layerwise-") and "error" not in r:
             r["first_seconds_with_import"] = r["first_seconds"] + imports
+        if r["method"].startswith("layerwise-torchao:") and "first_minus_second_seconds" in r:
+            if torchao_import is None:
+                torchao_import = import_seconds("import torchao.quantization")
+            # the first load imports torchao (the second does not): what is left of first - second is layerwise's
+            r["torchao_import_seconds"] = torchao_import
+            r["first_minus_second_less_torchao_import_seconds"] = r["first_minus_second_seconds"] - torchao_import
     add_ratios(rows, largest)
     shape = checkpoint_shape(size)
     return {

@@ -122,6 +122,7 @@ _TARGET_ROWS = [  # (field of the suite summary, what it is)
     ("first_load_with_import_over_floor", "the same + `import layerwise` / floor"),
     ("first_minus_second_load_seconds", "first - second load, seconds"),
     ("first_minus_best_load_seconds", "first - best later load, seconds"),
+    ("first_minus_second_less_torchao_import_seconds", "first - second load less torchao's own import, seconds"),
     ("peak_minus_final_over_largest_layer", "(peak - final) / largest BF16 layer"),
     ("reload_dir_over_copy_floor", "reload from the checkpoint dir / copy floor"),
     ("reload_stream_over_copy_floor", "reload from an in-memory stream / copy floor"),
@@ -136,8 +137,11 @@ def _target(summary: dict, field: str, scheme: str) -> tuple[float | None, bool 
     first = "first_load_with_import_over_floor" if with_import else "first_load_over_floor"
     if field == (first if gpu else "load_over_floor"):
         return targets["load_over_floor"], met.get(f"load {scheme}")
-    if field == "first_minus_second_load_seconds" and not gpu:
+    less_import = summary.get("first_minus_second_less_torchao_import_seconds", {})
+    if field == "first_minus_second_load_seconds" and not gpu and scheme not in less_import:
         return targets[field], met.get(f"first-load cost {scheme}")
+    if field == "first_minus_second_less_torchao_import_seconds":  # judged without torchao's import
+        return targets["first_minus_second_load_seconds"], met.get(f"first-load cost {scheme}")
     if field == "reload_stream_over_copy_floor":
         return targets[field], met.get(f"reload stream {scheme}")
     if field == "peak_minus_final_over_largest_layer" and field in targets:
@@ -501,7 +505,8 @@ def _targets(summary: dict, where: str) -> str:
 Checkpoint: {_shape(summary)}.
 Run with {_provenance(summary)}.
 Targets: load / floor <= {t["load_over_floor"]} (GPU: the first load in a fresh process, `import layerwise`
-included; CPU: the second load); on CPU, first - second load <= {t["first_minus_second_load_seconds"]} s;
+included; CPU: the second load); on CPU, first - second load <= {t["first_minus_second_load_seconds"]} s (a torchao
+scheme: less torchao's own import, measured in a fresh interpreter);
 peak - final <= one BF16 layer; reload from a stream <= {t["reload_stream_over_copy_floor"]}x the copy floor;
 decode W8A8 (and auto) <= {t["decode_w8a8_over_bf16"]}x and W8A16 <= {t["decode_w8a16_over_bf16"]}x the BF16 step.
 

@@ -74,6 +74,7 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
         "first_load_with_import_over_floor": {},
         "first_minus_second_load_seconds": {},
         "first_minus_best_load_seconds": {},
+        "first_minus_second_less_torchao_import_seconds": {},  # torchao schemes, CPU
         "peak_minus_final_over_largest_layer": {},
         "reload_dir_over_copy_floor": {},
         "reload_stream_over_copy_floor": {},
@@ -110,7 +111,12 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
             ratio = first if kind == "cuda" else r["time_over_floor"]
             out["met"][f"load {scheme}"] = ratio <= LOAD_OVER_FLOOR
             if kind == "cpu" and "first_minus_second_seconds" in r:
-                out["met"][f"first-load cost {scheme}"] = r["first_minus_second_seconds"] <= FIRST_MINUS_SECOND_CPU
+                # a torchao scheme's first load also imports torchao (1.4-1.8 s here, measured apart): layerwise's
+                # own one-time cost is what is left
+                own = r.get("first_minus_second_less_torchao_import_seconds", r["first_minus_second_seconds"])
+                out["met"][f"first-load cost {scheme}"] = own <= FIRST_MINUS_SECOND_CPU
+                if "torchao_import_seconds" in r:
+                    out["first_minus_second_less_torchao_import_seconds"][scheme] = own
     if rl:
         for r in rl["results"]:
             if "error" in r or r.get("source") not in ("dir", "stream"):

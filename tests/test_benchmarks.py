@@ -334,3 +334,31 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
         assert getattr(readme, f"{table}_table")(data[table]) in gpu_part
     assert readme.decode_table(data["decode_step"]) in gpu_part and "#### Issue 14 targets" in gpu_part
     assert f"commit {summary['commit']}" in gpu_part
+
+
+def test_a_torchao_schemes_first_load_cost_is_judged_without_torchaos_own_import():
+    from layerwise.benchmarks import suite
+
+    def row(scheme, first_minus_second, **extra):
+        return dict(
+            method=f"layerwise-{scheme}",
+            time_over_floor=1.2,
+            first_over_floor=3.0,
+            first_minus_second_seconds=first_minus_second,
+            overhead_over_largest_layer=0.0,
+            **extra,
+        )
+
+    torchao = "torchao:Float8WeightOnlyConfig"
+    rows = [
+        row("fp8-per-tensor", 1.2),  # no import to take off: over the 1.0 s target
+        row(torchao, 1.6, torchao_import_seconds=1.45, first_minus_second_less_torchao_import_seconds=0.15),
+    ]
+    out = suite.targets("cpu", {"results": rows}, None, None)
+    assert out["met"]["first-load cost fp8-per-tensor"] is False
+    assert out["met"][f"first-load cost {torchao}"] is True
+    assert out["first_minus_second_load_seconds"] == {"fp8-per-tensor": 1.2, torchao: 1.6}  # raw, as measured
+    assert out["first_minus_second_less_torchao_import_seconds"] == {torchao: 0.15}
+    table = readme.targets_table(dict(out, device="cpu"))
+    assert f"| first - second load, seconds | {torchao} | 1.60 |  |  |" in table  # no verdict on the raw figure
+    assert f"| first - second load less torchao's own import, seconds | {torchao} | 0.15 | 1 | yes |" in table
