@@ -6,7 +6,8 @@ weight as soon as its layer is loaded, so the peak stays the final model plus ab
 instead of torchao's usual "load everything in BF16, then quantize_". The weight becomes the
 torchao tensor subclass; forward is ``F.linear``, which the subclass dispatches.
 Reload copies into the existing subclass (``copy_`` of Float8Tensor and Int8Tensor copies their
-inner qdata/scale storages in place, measured with torchao 0.18).
+inner qdata/scale storages in place, measured with torchao 0.18), or, for a per-row float8 weight whose
+loads are whole rows, writes its qdata and scale directly (Limitations 5).
 
 Row chunks (see :meth:`TorchaoLinearMethod.quantize_rows`): torchao's ``quantize_`` makes float32
 temporaries of everything it quantizes, so a weight is quantized a few rows at a time and the
@@ -38,6 +39,11 @@ Limitations (the code points back to them):
    weight (``torch.aminmax``, no temporary), then the quantization in row chunks. The arithmetic is first
    checked byte for byte against torchao's result for the first chunk alone (its own per-tensor scale);
    a difference sends the weight to ``quantize_`` whole.
+5. A weight whose shape was verified (3) as a per-row float8_e4m3fn ``Float8Tensor`` and whose loads are verbatim
+   copies of whole rows (``layerwise/reload`` Limitations 10) is quantized from the loaded tensors themselves
+   on the native CPU kernels, with no BF16 copy: every row scale first (the NaN/Inf check), then the bytes, on a
+   non-atomic reload straight into the live weight's ``qdata`` and ``scale`` (the live tensor object is kept).
+   The first weight of each shape in a process is assembled and quantized as in 3, to be verified.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import FP8_DTYPE, cpu_native, has_non_finite
+from layerwise.kernels import FP8_DTYPE, cpu_native, has_non_finite, pieces_fit
 from layerwise.optional import import_optional
 from layerwise.quant.base import QuantMethod, check_finite
 
@@ -384,17 +390,91 @@ class TorchaoLinearMethod(QuantMethod):
             )
         return quantized
 
-    def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
-        """Replace ``layer.weight`` [N, K] by :meth:`quantize_rows` of it (``into`` is not used: torchao makes
-        its own tensor subclasses).
+    def _native_float8_layout(self, n: int, k: int, dtype: torch.dtype, device: torch.device):
+        """The layout of a per-row Float8Tensor (float8_e4m3fn) that an [N, K] ``dtype`` weight on ``device`` was
+        verified to have (Limitations 3) and the native CPU kernels compute (Limitations 5), else None."""
+        rows = self._chunk_rows(n, k)
+        if n <= rows or not cpu_native.available():  # a weight of one chunk goes to quantize_ whole
+            return None
+        verified = _VERIFIED.get((repr(self.config), rows, n % rows, k, dtype, device))
+        if verified is None or _local_rows(verified[0], k, device) is not _float8_rows:
+            return None
+        return verified[0] if dict(verified[1])["qdata"][1] == FP8_DTYPE else None
+
+    def accepts_weight_pieces(self, shape: torch.Size, spans: list[tuple[int, int]]) -> bool:
+        """Whole rows of a weight whose shape was verified as a per-row float8 layout (Limitations 5)."""
+        cpu = torch.device("cpu")
+        return (
+            len(shape) == 2
+            and any(self._native_float8_layout(*shape, dtype, cpu) is not None for dtype in cpu_native.DTYPE_CODES)
+            and pieces_fit(shape, spans, "channel")
+        )
+
+    def _quantize_pieces(
+        self, pieces: list[tuple[int, torch.Tensor]], meta: torch.Tensor, into: dict[str, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """:meth:`quantize_rows` of the weight given as ``pieces`` (whole rows, see ``accepts_weight_pieces``),
+        each quantized where it lies: the row scales of every piece first (the finiteness check), then the
+        float8 bytes, into the live weight's own qdata and scale when ``into`` holds a matching Float8Tensor
+        (Limitations 5). A weight whose layout is not verified for the pieces' dtype and device is assembled
+        and quantized by :meth:`quantize_rows`."""
+        (n, k), (dtype, device) = meta.shape, (pieces[0][1].dtype, pieces[0][1].device)
+        layout = self._native_float8_layout(n, k, dtype, device)
+        if layout is None or not all(t.dtype == dtype and cpu_native.supports(t) for _, t in pieces):
+            weight = torch.empty(n, k, dtype=dtype, device=device)
+            for off, t in pieces:
+                weight.view(-1)[off : off + t.numel()].copy_(t.reshape(-1))
+            return self.quantize_rows(weight)
+        cls, _, ctx = layout
+        fmax = torch.finfo(FP8_DTYPE).max
+        rows = [(off // k, t.view(-1, k)) for off, t in pieces]
+        scale = torch.empty(n, 1, dtype=torch.float32)
+        for r0, t in rows:  # as _float8_rows: the row amax and amax / max in the weight's dtype
+            scale[r0 : r0 + t.shape[0]] = cpu_native.amax(t, "channel").to(dtype) / fmax
+        _check_finite(scale)  # a NaN or Inf row has a non-finite scale; raised before any write
+        live = (into or {}).get("weight")
+        if not (
+            type(live) is cls
+            and live.shape == (n, k)
+            and all(
+                (getattr(live, name).shape, getattr(live, name).dtype) == want and getattr(live, name).is_contiguous()
+                for name, want in (("qdata", ((n, k), FP8_DTYPE)), ("scale", ((n, 1), torch.float32)))
+            )
+        ):
+            live = None
+        qdata = live.qdata if live is not None else torch.empty(n, k, dtype=FP8_DTYPE)
+        if live is not None:
+            scale = live.scale.copy_(scale)
+        # a scale rounded to the weight's dtype is within 2^-8 of amax / 448, so |w / scale| < 450: the unclamped
+        # conversion gives the same bytes, unless a scale is 0 (an all-zero row: NaN bytes, as torchao's) or tiny
+        within = bool((scale >= torch.finfo(torch.float32).tiny).all())
+        for r0, t in rows:
+            r1 = r0 + t.shape[0]
+            cpu_native.quantize(t, scale[r0:r1], "channel", out=qdata[r0:r1], within_range=within)
+        return live if live is not None else self._unflatten(cls, {"qdata": qdata, "scale": scale}, ctx, meta)
+
+    def process_weights_after_loading(
+        self,
+        layer: nn.Module,
+        into: dict[str, torch.Tensor] | None = None,
+        weight_pieces: list[tuple[int, torch.Tensor]] | None = None,
+    ) -> None:
+        """Replace ``layer.weight`` [N, K] by :meth:`quantize_rows` of it. Given ``weight_pieces`` (``layer.weight``
+        then on the meta device), the pieces are quantized where they lie, and with ``into`` (a non-atomic
+        reload) straight into the live weight's inner tensors, which then stays the layer's weight
+        (Limitations 5); else ``into`` is not used.
 
         Raises:
             NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
         """
         check_finite(layer, skip=("weight",))  # the weight's own check is in quantize_rows
-        quantized = self.quantize_rows(layer.weight.data)
+        if weight_pieces is not None:
+            quantized = self._quantize_pieces(weight_pieces, layer.weight, into)
+        else:
+            quantized = self.quantize_rows(layer.weight.data)
         del layer.weight
-        layer.weight = nn.Parameter(quantized, requires_grad=False)
+        live = quantized if isinstance(quantized, nn.Parameter) else None  # the live weight, written in place
+        layer.weight = live if live is not None else nn.Parameter(quantized, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)

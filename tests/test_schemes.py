@@ -133,6 +133,40 @@ def test_reload_in_place_for_every_scheme(tmp_path, scheme):
             assert torch.equal(t.reshape(-1).view(torch.uint8), f.reshape(-1).view(torch.uint8)), name
 
 
+def test_torchao_float8_reload_writes_each_live_weight_from_the_stream(qwen3_8_layers, tmp_path):
+    # Limitations 5 of quant/torchao.py: every weight's shape was verified by the load, so the reload quantizes
+    # each stream tensor where it lies, straight into the live Float8Tensor's qdata and scale
+    import gc
+
+    from layerwise.memory import DeviceMemoryTracker
+    from layerwise.reload import staging_bytes
+
+    b = write_hf_checkpoint(
+        tmp_path / "b", "Qwen3ForCausalLM", seed=5, num_layers=8, hidden=128, intermediate=384, vocab=256
+    )
+    scheme = TORCHAO[0]
+    model = layerwise.load_model(qwen3_8_layers, quantization=scheme)
+    weights = {n: p for n, p in model.named_parameters() if type(p).__name__ == "Float8Tensor"}
+    assert len(weights) == 8 * 4
+    stream = list(Checkpoint(b))
+    gc.collect()
+    gc.disable()
+    try:
+        with DeviceMemoryTracker("cpu") as tracker:
+            layerwise.reload_weights(model, stream)
+    finally:
+        gc.enable()
+    # measured 5376 bytes: the new row scales and their amaxes; no BF16 copy and no staging buffer
+    assert tracker.peak_bytes <= 5376 + 64 and tracker.final_bytes == 0 and staging_bytes(model) == 0
+    params = dict(model.named_parameters())
+    assert all(params[n] is p for n, p in weights.items())
+    fresh = dict(layerwise.load_model(b, quantization=scheme).named_parameters())
+    for name, p in weights.items():
+        for inner in ("qdata", "scale"):
+            got, want = getattr(p, inner), getattr(fresh[name], inner)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, inner)
+
+
 @pytest.mark.parametrize("scheme", ["fp8-per-block", "torchao:Int8WeightOnlyConfig"])
 def test_cli_accepts_scheme_names(hf_checkpoint, tmp_path, scheme):
     import json

@@ -309,3 +309,61 @@ def test_float8_e5m2_rows_equal_torchao_whole_tensor():
     ref = quantize_whole(w, config)
     assert q.qdata.dtype == torch.float8_e5m2
     assert torch.equal(q.qdata.view(torch.uint8), ref.qdata.view(torch.uint8)) and torch.equal(q.scale, ref.scale)
+
+
+def _meta_layer(shape, dtype):
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+    return layer
+
+
+def _row_pieces(w: torch.Tensor, cuts: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """``w`` as separate tensors of whole rows, split at row ``cuts`` (as qkv_proj's q, k and v loads)."""
+    k, bounds = w.shape[1], [0, *cuts, w.shape[0]]
+    return [(r0 * k, w[r0:r1].clone()) for r0, r1 in zip(bounds, bounds[1:], strict=False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pieces_of_a_verified_float8_shape_give_torchaos_bytes_written_in_place(dtype, calls):
+    # Limitations 5: the weight's loads quantized where they lie, and on a reload into the live weight's own tensors
+    method = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL)
+    config, n, cuts = tq.Float8WeightOnlyConfig(), 8 * 32 + 24, [40, 200]
+    spans = [(0, 40 * K), (40 * K, 160 * K), (200 * K, 80 * K)]
+    assert not method.accepts_weight_pieces((n, K), spans)  # not verified yet: the first weight is assembled
+    method.quantize_rows(weight(n, seed=7).to(dtype))
+    assert method.accepts_weight_pieces((n, K), spans)
+    assert not method.accepts_weight_pieces((n, K), [(0, 40 * K + 5), (40 * K + 5, (n - 40) * K - 5)])  # not rows
+    calls.clear()
+
+    first = _meta_layer((n, K), dtype)
+    method.process_weights_after_loading(first, weight_pieces=_row_pieces(weight(n, seed=1).to(dtype), cuts))
+    assert calls == []  # no quantize_ at all
+    assert_same_bytes(first.weight.data, reference(weight(n, seed=1).to(dtype), config))
+
+    live = first.weight
+    qdata, scale = live.qdata.data_ptr(), live.scale.data_ptr()
+    again = _meta_layer((n, K), dtype)
+    method.process_weights_after_loading(
+        again, into={"weight": live}, weight_pieces=_row_pieces(weight(n, seed=2).to(dtype), cuts)
+    )
+    assert again.weight is live and (live.qdata.data_ptr(), live.scale.data_ptr()) == (qdata, scale)
+    assert_same_bytes(live.data, reference(weight(n, seed=2).to(dtype), config))
+
+    bad = weight(n, seed=3).to(dtype)
+    bad[230, 5] = float("nan")  # in the last piece: every piece's scale is checked before any write
+    with pytest.raises(NonFiniteWeightError):
+        method.process_weights_after_loading(
+            _meta_layer((n, K), dtype), into={"weight": live}, weight_pieces=_row_pieces(bad, cuts)
+        )
+    assert_same_bytes(live.data, reference(weight(n, seed=2).to(dtype), config))
+
+
+def test_pieces_of_a_layout_not_verified_for_their_dtype_are_assembled(calls):
+    method = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL)
+    n = 8 * 32
+    method.quantize_rows(weight(n, seed=7))  # bfloat16 verified; the pieces below are float32
+    calls.clear()
+    layer = _meta_layer((n, K), torch.float32)
+    method.process_weights_after_loading(layer, weight_pieces=_row_pieces(weight(n, seed=1).float(), [100]))
+    assert calls == [32]  # verified now, through quantize_'s first chunk
+    assert_same_bytes(layer.weight.data, reference(weight(n, seed=1).float(), tq.Float8WeightOnlyConfig()))

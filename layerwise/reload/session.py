@@ -619,6 +619,8 @@ def _loads_into_kernel_tensors(module: nn.Module, info: LayerReloadingInfo) -> b
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same elements of the same storage (a copy between them is a no-op);
     never for tensor subclasses that wrap inner tensors (torchao's), whose own data_ptr says nothing."""
+    if a is b:  # a quant method that wrote the live tensor itself (torchao's, Limitations 10)
+        return True
     if is_traceable_wrapper_subclass(a) or is_traceable_wrapper_subclass(b):
         return False
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
