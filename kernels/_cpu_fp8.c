@@ -282,6 +282,55 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* dst[j] = src[j] over a span, returning max |src| as float bits (the finiteness check of a copy, in its pass). */
+#define COPY_ABSMAX(SUFFIX, T, MASK, SHIFT)                                                                     \
+    MULTIVERSION static uint32_t copy_absmax_##SUFFIX(const T *src, T *dst, int64_t n) {                      \
+        T m = 0;                                                                                               \
+        for (int64_t j = 0; j < n; j++) {                                                                      \
+            const T v = src[j];                                                                                \
+            dst[j] = v;                                                                                        \
+            const T a = v & MASK;                                                                              \
+            m = a > m ? a : m;                                                                                 \
+        }                                                                                                      \
+        return (uint32_t)m << SHIFT;                                                                           \
+    }
+COPY_ABSMAX(bf16, uint16_t, 0x7FFFu, 16)
+COPY_ABSMAX(f32, uint32_t, 0x7FFFFFFFu, 0)
+
+static void copy_worker(Work *w) {
+    const size_t es = elem_size(w->dtype);
+    const char *src = w->src + w->lo * es;
+    char *dst = (char *)w->dst + w->lo * es;
+    w->result = w->dtype == 0 ? copy_absmax_bf16((const uint16_t *)src, (uint16_t *)dst, w->hi - w->lo)
+                              : copy_absmax_f32((const uint32_t *)src, (uint32_t *)dst, w->hi - w->lo);
+}
+
+/* copy_amax(src, dst, numel, dtype, n_threads) -> max |src| as a float (NaN if any element is NaN): a copy of a
+ * contiguous bfloat16 or float32 tensor into another of the same dtype that also checks it, in one pass. */
+static PyObject *py_copy_amax(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    long long numel;
+    int dtype, n_threads;
+    Work w, works[MAX_THREADS];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKLii", &src, &dst, &numel, &dtype, &n_threads)) return NULL;
+    if (dtype < 0 || dtype > 1 || numel < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad dtype code or element count");
+        return NULL;
+    }
+    memset(&w, 0, sizeof w);
+    w.src = (const char *)(uintptr_t)src;
+    w.dst = (uint8_t *)(uintptr_t)dst;
+    w.dtype = dtype;
+    n_threads = threads_for(numel, n_threads < 1 ? 1 : (n_threads > MAX_THREADS ? MAX_THREADS : n_threads));
+    uint32_t m = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const int used = run_split(copy_worker, &w, numel, 4096, n_threads, works);
+    for (int t = 0; t < used; t++) m = works[t].result > m ? works[t].result : m;
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble((double)f32_from_bits(m));
+}
+
 /* A batch of pieces (the verbatim loads of several weights of one shape, e.g. every expert of an MoE layer):
  * `table` is int64 [n_pieces, 5] = (src pointer, dst pointer, numel, scale base, row0). All pieces share dtype,
  * granularity and k. `scale base` is the flat index of the piece's weight's first scale in the batch's float32
@@ -450,6 +499,8 @@ static PyMethodDef methods[] = {
      "quantize(src, dtype, granularity, n_rows, k, scale, dst, n_threads, in_range=False): e4m3fn bytes into dst."},
     {"scale_from_amax", py_scale_from_amax, METH_VARARGS,
      "scale_from_amax(ptr, count): float32 amaxes -> scales in place; returns the count of non-finite ones."},
+    {"copy_amax", py_copy_amax, METH_VARARGS,
+     "copy_amax(src, dst, numel, dtype, n_threads): copy src into dst; returns max |src| (NaN if any is NaN)."},
     {"amax_pieces", py_amax_pieces, METH_VARARGS,
      "amax_pieces(table, n, dtype, granularity, k, scales, n_threads): amax of a batch of pieces into scales."},
     {"quantize_pieces", py_quantize_pieces, METH_VARARGS,
@@ -460,7 +511,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fp8", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 /* bumped when the functions' arguments change: kernels/cpu_native.py refuses a stale build of an editable install */
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 
 PyMODINIT_FUNC PyInit__cpu_fp8(void) {
     PyObject *m = PyModule_Create(&module);

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels.reference import FP8_DTYPE, scale_shape
 
-ABI_VERSION = 3  # _cpu_fp8.ABI_VERSION of the C source this module calls
+ABI_VERSION = 4  # _cpu_fp8.ABI_VERSION of the C source this module calls
 
 try:
     from layerwise.kernels import _cpu_fp8
@@ -212,3 +212,35 @@ def quantize_batch(
         raise NonFiniteWeightError(f"weight {bad[0]} of the batch holds NaN or Inf (non-finite amax)")
     _cpu_fp8.quantize_pieces(table.data_ptr(), n_pieces, dtype, code, k, amax.data_ptr(), threads, True)
     return amax
+
+
+def supports_copy(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether :func:`copy_checked` takes the pair: ``src`` a tensor :func:`supports` takes, ``dst`` a plain
+    contiguous CPU tensor of its dtype and number of elements."""
+    return (
+        supports(src)
+        and _plain(dst)
+        and dst.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.is_contiguous()
+        and dst.numel() == src.numel()
+    )
+
+
+def copy_checked(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """``dst.copy_(src)`` in one native pass that also tells whether ``src`` is finite: for a reload that writes a
+    BF16 module's live tensors and must then check them, the check costs no second pass over the memory.
+
+    Args:
+        src, dst: a pair :func:`supports_copy` takes.
+    Returns:
+        False where ``src`` holds NaN or Inf (copied all the same).
+    Raises:
+        ValueError: a pair :func:`supports_copy` refuses.
+    """
+    if not supports_copy(src, dst):
+        raise ValueError(f"copy_checked: cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}")
+    amax = _cpu_fp8.copy_amax(
+        src.data_ptr(), dst.data_ptr(), src.numel(), DTYPE_CODES[src.dtype], torch.get_num_threads()
+    )
+    return amax <= 3.4028234663852886e38  # False for NaN and Inf

@@ -197,3 +197,40 @@ def test_scale_equals_the_recipe_for_zero_tiny_and_huge_amaxes():
     w[7, 2] = float("inf")
     with pytest.raises(layerwise.NonFiniteWeightError):
         cpu_native.scale(w, "channel")
+
+
+@native
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copy_checked_copies_every_bf16_pattern_and_finds_each_non_finite_one(threads):
+    # all 65536 bit patterns, repeated to > 2^19 elements so 3 threads each get a range; then one pattern at a time
+    # at the very end (the last thread's range) for every NaN and Inf pattern
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    src = every.repeat(9)
+    finite = torch.isfinite(src.float())
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dst = torch.empty_like(src)
+        assert cpu_native.copy_checked(src, dst) is False and torch.equal(_bits(dst), _bits(src))
+        clean = src[finite].contiguous()
+        out = torch.empty_like(clean)
+        assert cpu_native.copy_checked(clean, out) is True and torch.equal(_bits(out), _bits(clean))
+        for bad in every[~torch.isfinite(every.float())].view(torch.int16).tolist():  # 256: Inf and NaN, both signs
+            clean.view(torch.int16)[-1] = bad
+            assert cpu_native.copy_checked(clean, out) is False, hex(bad & 0xFFFF)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@native
+def test_copy_checked_of_float32_and_refusals():
+    src = torch.tensor([0.0, -0.0, 1e-45, 3.4028235e38, -3.4028235e38, 7.5])
+    dst = torch.empty_like(src)
+    assert cpu_native.copy_checked(src, dst) is True and torch.equal(_bits(dst), _bits(src))
+    for special in (float("nan"), float("inf"), float("-inf")):
+        assert cpu_native.copy_checked(torch.cat([src, torch.tensor([special])]), torch.empty(7)) is False
+    with pytest.raises(ValueError, match="cannot copy"):
+        cpu_native.copy_checked(src, torch.empty(6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot copy"):
+        cpu_native.copy_checked(src, torch.empty(5))
+    assert not cpu_native.supports_copy(src, torch.empty(12)[::2])  # not contiguous

@@ -6,6 +6,7 @@ import torch
 
 import layerwise
 from layerwise.api import model_digest
+from layerwise.kernels import cpu_native
 from layerwise.reload import staging_bytes
 from tests.hf_checkpoints import write_hf_checkpoint
 
@@ -38,11 +39,27 @@ def _with_nan(name):
     return stream
 
 
-def test_unquantized_reload_replays_loads_into_the_live_tensors(pair):
+@pytest.fixture(params=[True, False], ids=["copied-and-checked-natively", "replayed-then-checked"])
+def native_copies(request, monkeypatch):
+    """Whether a BF16 module's verbatim loads are copied by the native kernel that also checks them (one pass),
+    or replayed by its loaders and checked after (no extension); counts the native copies."""
+    copies = []
+    if not request.param:
+        monkeypatch.setattr(cpu_native, "_cpu_fp8", None)
+    elif not cpu_native.available():
+        pytest.skip("the _cpu_fp8 extension is not built")
+    real = cpu_native.copy_checked
+    monkeypatch.setattr(cpu_native, "copy_checked", lambda src, dst: copies.append(src.numel()) or real(src, dst))
+    return copies
+
+
+def test_unquantized_reload_replays_loads_into_the_live_tensors(pair, native_copies):
     a, b = pair
     model = layerwise.load_model(a, quantization=None)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     layerwise.reload_weights(model, b)
+    # natively: every checkpoint tensor, each copied once (tied embeddings: one module, one tensor)
+    assert sum(native_copies) == (sum(p.numel() for p in model.parameters()) if cpu_native.available() else 0)
     assert staging_bytes(model) == 0  # nothing was staged: every module's loads went straight into its tensors
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
     fresh = layerwise.load_model(b, quantization=None).state_dict()
@@ -50,7 +67,7 @@ def test_unquantized_reload_replays_loads_into_the_live_tensors(pair):
         assert torch.equal(_bytes(t), _bytes(fresh[name])), name
 
 
-def test_nan_in_an_unquantized_module_is_reported_as_written(pair):
+def test_nan_in_an_unquantized_module_is_reported_as_written(pair, native_copies):
     a, b = pair
     key = "model.layers.2.mlp.up_proj.weight"
     model = layerwise.load_model(a, quantization=None)

@@ -61,7 +61,8 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    meanwhile. Loads that do not qualify are staged and replayed as before.
 11. On a non-atomic reload, a module whose kernel tensors are its checkpoint-format parameters (no
    quant method, or ``checkpoint_format``: BF16 linears, embeddings, norms) has its loads replayed
-   straight into its live tensors, and an FP8 method writes its bytes into the live weight
+   straight into its live tensors (verbatim loads of CPU tensors by one native pass that copies and checks
+   finiteness, ``cpu_native.copy_checked``), and an FP8 method writes its bytes into the live weight
    (``process_weights_after_loading(into=...)``) once its scale is known. Such a module is
    overwritten before its finiteness check: one that then fails the check is reported as updated
    (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from layerwise.checkpoint import LazyTensor
 from layerwise.errors import DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError, ReloadError
-from layerwise.kernels import has_non_finite
+from layerwise.kernels import cpu_native, has_non_finite
 from layerwise.quant.base import check_finite
 from layerwise.quant.parameters import ModelWeightParameter
 from layerwise.reload.counting import record_loader, written_numel
@@ -480,11 +480,12 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
     quant_method = getattr(module, "quant_method", None)
     live = info.kernel_tensors if info.kernel_tensors and not session.atomic else None  # written right away
-    pieces = None
+    pieces = finite = None
     if live is not None and _loads_into_kernel_tensors(module, info):
         # processing only checks these parameters: the loads are replayed straight into the live tensors
         materialize_layer(module, info, session.device, into=live)
         info.in_place = True
+        finite = _copy_checked(info, live)
     else:
         pieces = _weight_pieces(module, info)
         # staged (CPU): what processing replaces (an FP8 method's weight); on a non-atomic reload every module,
@@ -495,14 +496,17 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         materialize_layer(module, info, session.device, staging, keep_on_meta=skip)
     nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
-    for buffered in info.loaded_weights:
+    for buffered in info.loaded_weights if finite is None else ():
         if pieces is not None and buffered.param_name == "weight":
             continue
         info.weight_loaders[buffered.param_name](
             module._parameters[buffered.param_name], buffered.loaded_weight, buffered.shard_id
         )
     try:
-        if pieces is not None:
+        if finite is not None:  # copied and checked in one pass: what processing would check is known
+            if not finite:
+                raise NonFiniteWeightError("a parameter holds NaN or Inf")
+        elif pieces is not None:
             quant_method.process_weights_after_loading(module, into=live, weight_pieces=pieces)
         elif quant_method is not None:
             quant_method.process_weights_after_loading(module, into=live)
@@ -595,6 +599,25 @@ def _loaded_pieces(
             return None
         pieces.append((offset, t))
     return pieces
+
+
+def _copy_checked(info: LayerReloadingInfo, live: dict[str, torch.Tensor]) -> bool | None:
+    """Where every load of a module replayed into its live tensors is a verbatim copy that the native kernels
+    take (:func:`cpu_native.copy_checked`), make those copies and return whether every loaded value is finite:
+    the check its processing would make, in the copies' own pass (Limitations 11). Else None, nothing copied."""
+    copies = []
+    for b in info.loaded_weights:
+        if b.verbatim_at is None:
+            return None
+        src = b.loaded_weight if isinstance(b.loaded_weight, torch.Tensor) else b.loaded_weight.materialize()
+        dst = live[b.param_name].data.view(-1)[b.verbatim_at : b.verbatim_at + src.numel()]
+        if not cpu_native.supports_copy(src, dst):
+            return None
+        copies.append((src, dst))
+    finite = True
+    for src, dst in copies:
+        finite &= cpu_native.copy_checked(src, dst)
+    return finite
 
 
 def _loads_into_kernel_tensors(module: nn.Module, info: LayerReloadingInfo) -> bool:
