@@ -191,3 +191,15 @@ def test_a_failure_after_writing_into_the_live_weight_reports_the_module(tmp_pat
         layerwise.reload_weights(model, b)
     assert "model.layers.1.mlp.gate_up_proj" in e.value.updated_modules
     assert isinstance(e.value.cause, MemoryError)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_pieces_inside_blocks_on_the_triton_kernels(granularity):
+    # the path a CUDA stream takes (its tensors on the session's device), here under the interpreter: rows
+    # 128-255 shared by three pieces, a ragged last block
+    pytest.importorskip("triton")
+    whole, pieces = _pieces([200, 30, 40], 64, torch.bfloat16)
+    out = torch.zeros(whole.shape, dtype=FP8)
+    scale = fp8_quantize_pieces(pieces, whole.shape, granularity, out, "triton")
+    q, want = torch_fp8_reference(whole, granularity)
+    assert torch.equal(scale.reshape(want.shape), want) and torch.equal(_bits(out), _bits(q))
