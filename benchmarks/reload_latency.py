@@ -76,10 +76,7 @@ def worker(path: str, device: str, schemes: list[str], repeats: int):
         torch.empty(1, device=device)
     stream = host_stream(path, device)
     stream_bytes = sum(t.numel() * t.element_size() for _, t in stream)
-    floor_dst = {k: torch.empty_like(t, device=device) for k, t in stream}
-    copy = functools.partial(_copy_all, floor_dst, stream, device.type == "cuda")
-    first, *rest = times(copy, device, repeats + 1)  # the first copy touches the destination pages
-    floor = min(rest)
+    first, floor = _floor(stream, device, repeats)
     yield {
         "case": "floor: copy_ BF16 tensors",
         "source": "floor",
@@ -92,7 +89,7 @@ def worker(path: str, device: str, schemes: list[str], repeats: int):
     for scheme in schemes:
         # the floor again, next to each scheme's reloads: the ratios use the fastest floor of the whole run, so a
         # slow moment of the machine during the first floor measurement cannot flatter them
-        floor = min(floor, *times(copy, device, repeats))
+        floor = min(floor, _floor(stream, device, repeats)[1])
         yield {"case": f"floor again, before {scheme_label(scheme)}", "source": "floor-again", "seconds": floor}
         model = layerwise.load_model(path, quantization=scheme, device=device)
         sources = ((stream, "stream", "in-memory stream"), (path, "dir", "from disk (page cache warm)"))
@@ -111,6 +108,17 @@ def worker(path: str, device: str, schemes: list[str], repeats: int):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _floor(stream: list, device: torch.device, repeats: int) -> tuple[float, float]:
+    """(seconds of the first copy, best of ``repeats`` more) of the whole stream into destination tensors
+    allocated for this measurement and freed after it (the first copy touches their pages)."""
+    dst = {k: torch.empty_like(t, device=device) for k, t in stream}
+    first, *rest = times(functools.partial(_copy_all, dst, stream, device.type == "cuda"), device, repeats + 1)
+    del dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return first, min(rest)
 
 
 def _copy_all(dst: dict, stream: list, non_blocking: bool) -> None:

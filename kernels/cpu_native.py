@@ -186,8 +186,11 @@ def quantize_batch(
         the scales, float32 [len(weights), *scale_shape(shape)].
     Raises:
         NonFiniteWeightError: a weight holds NaN or Inf (nothing is written); the message names its index.
-        ValueError: a piece outside its weight or not aligned to the granularity, or an output of another size.
+        ValueError: a batch :func:`supports_batch` refuses, a piece outside its weight or not whole rows, or an
+            output of another size.
     """
+    if not supports_batch(weights, outs):  # dtypes, contiguity and devices: the kernels read raw pointers
+        raise ValueError("quantize_batch: pieces of one bfloat16 or float32 dtype and contiguous float8 outputs only")
     total = torch.Size(shape).numel()
     one = scale_shape(shape, granularity)
     k = shape[-1] if granularity != "tensor" else 1

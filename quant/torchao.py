@@ -127,7 +127,7 @@ def _float8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> N
     qdata, scale = out["qdata"], out["scale"]
     fmax = torch.finfo(qdata.dtype).max
     if qdata.dtype == FP8_DTYPE and cpu_native.supports(w, qdata):  # the same arithmetic, one pass each
-        scale.copy_(cpu_native.amax(w, "channel").to(w.dtype) / fmax)  # amax and amax / max in w.dtype
+        scale.copy_(_native_row_scales(w))
         cpu_native.quantize(w, scale, "channel", out=qdata)  # clamp(float32(w) / scale) cast, as below
         return
     x = work[: w.numel()].view(w.shape).copy_(w)  # exact; float32 reductions are ~4x faster than bf16 ones
@@ -135,6 +135,12 @@ def _float8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> N
     amax = torch.maximum(hi, lo.neg_()).abs_().to(w.dtype)  # == w.abs().amax(1) (NaN propagates), +0.0 if all 0
     scale.copy_(amax / fmax)
     qdata.copy_(x.div_(scale).clamp_(-fmax, fmax))  # float32 / float32 scale, as torchao's w.float() / scale
+
+
+def _native_row_scales(w: torch.Tensor) -> torch.Tensor:
+    """torchao's per-row float8_e4m3fn scales of ``w`` [R, K] (a tensor ``cpu_native.supports``), [R, 1] in w.dtype:
+    the row amax and ``amax / max`` computed in ``w.dtype``, as :func:`_float8_rows` describes."""
+    return cpu_native.amax(w, "channel").to(w.dtype) / torch.finfo(FP8_DTYPE).max
 
 
 def _int8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> None:
@@ -426,11 +432,10 @@ class TorchaoLinearMethod(QuantMethod):
                 weight.view(-1)[off : off + t.numel()].copy_(t.reshape(-1))
             return self.quantize_rows(weight)
         cls, _, ctx = layout
-        fmax = torch.finfo(FP8_DTYPE).max
         rows = [(off // k, t.view(-1, k)) for off, t in pieces]
         scale = torch.empty(n, 1, dtype=torch.float32)
-        for r0, t in rows:  # as _float8_rows: the row amax and amax / max in the weight's dtype
-            scale[r0 : r0 + t.shape[0]] = cpu_native.amax(t, "channel").to(dtype) / fmax
+        for r0, t in rows:
+            scale[r0 : r0 + t.shape[0]] = _native_row_scales(t)
         _check_finite(scale)  # a NaN or Inf row has a non-finite scale; raised before any write
         live = (into or {}).get("weight")
         if not (

@@ -274,6 +274,56 @@ def _nan_checkpoint(src, dst, bad_key):
     return dst
 
 
+def test_a_nan_in_the_first_queued_projection_leaves_the_layer_untouched(pair, tmp_path):
+    # expert 0's down projection completes first, so w2 is the layer's first batch: its NaN is found before any
+    # expert of the layer is written, and the layer is not reported as updated
+    arch, a, b = pair
+    bad = _expert_key(arch, 1, 6, 2)
+    model = layerwise.load_model(a, quantization="fp8")
+    fresh_a = layerwise.load_model(a, quantization="fp8")
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, _nan_checkpoint(b, tmp_path, bad))
+    assert isinstance(e.value.cause, layerwise.NonFiniteWeightError) and e.value.key == bad
+    assert f"model.layers.1.{MOE_NAMES[arch][0]}.experts" not in e.value.updated_modules
+    for name in KERNEL_NAMES["fp8-per-tensor"]:
+        assert torch.equal(
+            as_bytes(_experts(model).get_parameter(name)), as_bytes(_experts(fresh_a).get_parameter(name))
+        )
+
+
+def test_queued_experts_hold_no_buffer(pair):
+    # a unit waiting for the layer's others holds only unread checkpoint tensors: not counted as buffered
+    _, a, b = pair
+    model = layerwise.load_model(a, quantization="fp8")
+    from_tensors = layerwise.reload_weights(model, list(Checkpoint(b))).peak_buffered_bytes
+    from_dir = layerwise.reload_weights(model, b).peak_buffered_bytes
+    assert 0 < from_dir <= from_tensors  # what waits for its other projection, the same either way
+
+
+def test_queued_experts_are_quantized_once_the_last_unit_is_processed_alone(pair):
+    # expert 7's tensors arrive read (they cannot wait): once it is processed, the layer's queued experts are
+    # quantized right away, not at finalize
+    arch, a, b = pair
+    from layerwise.reload import get_layerwise_info
+
+    model = layerwise.load_model(a, quantization="fp8")
+    experts = _experts(model)
+    block = MOE_NAMES[arch][0]
+    lazy = [(k, t) for k, t in Checkpoint(b).iter_lazy() if f".layers.1.{block}.experts." in k]
+    seen = {}
+
+    def stream():
+        for key, t in lazy:
+            yield key, (t.materialize() if ".experts.7." in key else t)
+        seen["done before finalize"] = get_layerwise_info(experts).done
+
+    layerwise.reload_weights(model, stream())
+    assert seen == {"done before finalize": True}
+    fresh_b = _experts(layerwise.load_model(b, quantization="fp8"))
+    for name in KERNEL_NAMES["fp8-per-tensor"]:
+        assert torch.equal(as_bytes(experts.get_parameter(name)), as_bytes(fresh_b.get_parameter(name))), name
+
+
 def test_non_finite_expert_in_a_checkpoint_directory_names_its_key(pair, tmp_path):
     # from a directory the layer's experts are quantized together: the error still names the tensor and file
     arch, a, b = pair

@@ -83,7 +83,14 @@ def test_the_native_batch_refuses_a_piece_outside_its_weight():
         cpu_native.quantize_batch([[(0, torch.ones(4, 4)), (20, torch.ones(4, 4))]], (8, 4), "channel", [out])
     with pytest.raises(ValueError, match="not whole rows"):
         cpu_native.quantize_batch([[(2, torch.ones(8, 4))]], (8, 4), "tensor", [out])
-    assert not _bits(out).any()
+    # the kernels read and write raw pointers: one dtype for every piece, contiguous float8 outputs
+    mixed = [[(0, torch.ones(8, 4))], [(0, torch.ones(8, 4, dtype=torch.bfloat16))]]
+    with pytest.raises(ValueError, match="one bfloat16 or float32 dtype"):
+        cpu_native.quantize_batch(mixed, (8, 4), "tensor", [out, torch.zeros(8, 4, dtype=FP8)])
+    strided = torch.zeros(8, 8, dtype=FP8)[:, :4]
+    with pytest.raises(ValueError, match="contiguous float8"):
+        cpu_native.quantize_batch([[(0, torch.ones(8, 4))]], (8, 4), "tensor", [strided])
+    assert not _bits(out).any() and not _bits(strided.contiguous()).any()
 
 
 def test_pieces_fit_whole_rows_only():

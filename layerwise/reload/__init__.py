@@ -55,7 +55,8 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    same dtype, into one contiguous region; no TP slice, cast or transpose) of a tensor already on the
    session's device is not materialized: a quant method that accepts pieces
    (``accepts_weight_pieces``: FP8 dense and MoE, when the pieces are whole rows for per-channel and
-   per-block scales; a 128-row block shared by two pieces takes its scale from both) quantizes the
+   per-block scales, a 128-row block shared by two pieces taking its scale from both; torchao per-row
+   float8 on CPU, quant/torchao.py Limitations 5) quantizes the
    loaded tensors themselves, a memory-mapped checkpoint tensor or the trainer's stream tensor,
    straight into its FP8 tensor (a non-atomic reload: the live one). The weight stays on meta
    meanwhile. Loads that do not qualify are staged and replayed as before.

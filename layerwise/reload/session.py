@@ -286,10 +286,12 @@ def _complete_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, 
     state.done = True
     if _batchable(module, info, unit, state):
         info.pending_units.append(unit)
-        if info.units_done + len(info.pending_units) == info.units_total:
-            _process_pending_units(module, info)
+        # unread checkpoint tensors: nothing is held for the unit while it waits
+        info.session.buffered_bytes -= _buffered_bytes(state.loaded_weights)
     else:
         _process_unit(module, info, unit, state)
+    if info.pending_units and info.units_done + len(info.pending_units) == info.units_total:
+        _process_pending_units(module, info)  # the module's last unit: quantize every waiting one
 
 
 def _unit_coverage(writes: list, numel: int) -> tuple[int, int]:
@@ -359,12 +361,17 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
             module.quant_method.process_expert(module, param_name, index, None, targets, weight_pieces=pieces)
     except NonFiniteWeightError as e:  # raised by the scale, before any write
         info.units_started = started_before
-        raise NonFiniteWeightError(
-            f"non-finite value (NaN or Inf) in {_unit_name(info, unit)}: {e.message}",
-            key=_find_non_finite_key(state.loaded_weights),
-        ) from e
+        raise _non_finite_unit(info, unit, state) from e
     del weight, as_param
     _unit_processed(module, info, unit, state)
+
+
+def _non_finite_unit(info: LayerReloadingInfo, unit: Hashable, state: UnitState) -> NonFiniteWeightError:
+    """The NonFiniteWeightError to raise for ``unit``: named by the unit and by the checkpoint key that holds the
+    NaN or Inf (each of its loads is read until one does)."""
+    return NonFiniteWeightError(
+        f"non-finite value (NaN or Inf) in {_unit_name(info, unit)}", key=_find_non_finite_key(state.loaded_weights)
+    )
 
 
 def _process_pending_units(module: nn.Module, info: LayerReloadingInfo) -> None:
@@ -393,24 +400,25 @@ def _process_pending_units(module: nn.Module, info: LayerReloadingInfo) -> None:
             module.quant_method.process_experts(module, param_name, [u[1] for u in units], pieces, targets)
         except NonFiniteWeightError as e:  # raised before any write
             info.units_started = started_before
-            for unit, state in zip(units, states, strict=True):
-                key = _find_non_finite_key(state.loaded_weights)
-                if key is not None:
-                    raise NonFiniteWeightError(
-                        f"non-finite value (NaN or Inf) in {_unit_name(info, unit)}: {e.message}", key=key
-                    ) from e
-            raise
+            bad = [(u, s) for u, s in zip(units, states, strict=True) if _find_non_finite_key(s.loaded_weights)]
+            if not bad:
+                raise
+            raise _non_finite_unit(info, *bad[0]) from e
         for unit, state in zip(units, states, strict=True):
-            _unit_processed(module, info, unit, state)
+            _unit_processed(module, info, unit, state, counted=False)
 
 
-def _unit_processed(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, state: UnitState) -> None:
-    """Account for a unit written into the kernel tensors; the module is done once all its units are."""
+def _unit_processed(
+    module: nn.Module, info: LayerReloadingInfo, unit: Hashable, state: UnitState, counted: bool = True
+) -> None:
+    """Account for a unit written into the kernel tensors (``counted``: its loads still count as buffered, not a
+    unit that waited); the module is done once all its units are."""
     session = info.session
     meta = info.restore_metadata[unit[0]]
     nbytes = info.unit_numel[unit[0]] * meta.element_size()
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
-    session.buffered_bytes -= _buffered_bytes(state.loaded_weights)
+    if counted:
+        session.buffered_bytes -= _buffered_bytes(state.loaded_weights)
     state.loaded_weights = []
     state.done = True
     info.units_done += 1
@@ -642,7 +650,7 @@ def _loads_into_kernel_tensors(module: nn.Module, info: LayerReloadingInfo) -> b
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same elements of the same storage (a copy between them is a no-op);
     never for tensor subclasses that wrap inner tensors (torchao's), whose own data_ptr says nothing."""
-    if a is b:  # a quant method that wrote the live tensor itself (torchao's, Limitations 10)
+    if a is b:  # a quant method that wrote the live tensor itself (quant/torchao.py Limitations 5)
         return True
     if is_traceable_wrapper_subclass(a) or is_traceable_wrapper_subclass(b):
         return False
@@ -721,6 +729,8 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
             load, none); the message names each parameter and how many elements are missing. After
             a reload the model is left usable (see :func:`abort_layerwise_reload`) and the error is
             a ReloadError subclass instance listing ``updated_modules``.
+        NonFiniteWeightError: a unit still queued at finalize (a partial reload, Limitations 9) holds NaN
+            or Inf; the session is then left open: :func:`layerwise_session` aborts it.
     """
     session = _session(model)
     if session is None:
