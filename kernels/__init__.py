@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels import cpu_native, reference
 from layerwise.kernels.reference import (
     BLOCK_SIZE,
@@ -134,31 +135,50 @@ def fp8_quantize_pieces(
     return scale
 
 
+def fp8_scale_pieces_batch(
+    weights: list[list[tuple[int, torch.Tensor]]], shape: torch.Size | tuple, granularity: str, kernel: str
+) -> torch.Tensor:
+    """The scales of several weights of one ``shape`` (an MoE layer's experts), each given as pieces as in
+    :func:`fp8_quantize_pieces`: on CPU one native amax call over all their pieces, run in parallel
+    (:func:`cpu_native.amax_batch`), else weight by weight. Reads only; :func:`fp8_quantize_pieces_batch` writes.
+
+    Returns:
+        float32 [len(weights), *scale_shape(shape)].
+    Raises:
+        NonFiniteWeightError: a weight holds NaN or Inf; the message names its index in ``weights``.
+    """
+    if kernel != "triton" and cpu_native.supports_batch(weights):
+        amax = cpu_native.amax_batch(weights, shape, granularity)
+        try:
+            return cpu_native.scale_from_amax_(amax)  # in place: the batch's scales are its only float32 memory
+        except NonFiniteWeightError:  # non-finite entries are left as they were
+            bad = int((~torch.isfinite(amax.view(len(weights), -1))).any(1).nonzero()[0])
+            raise NonFiniteWeightError(f"weight {bad} of the batch holds NaN or Inf (non-finite amax)") from None
+    return torch.stack([_pieces_scale(pieces, shape, granularity, kernel) for pieces in weights])
+
+
 def fp8_quantize_pieces_batch(
     weights: list[list[tuple[int, torch.Tensor]]],
+    scales: torch.Tensor,
     shape: torch.Size | tuple,
     granularity: str,
     outs: list[torch.Tensor],
     kernel: str,
-) -> torch.Tensor:
-    """:func:`fp8_quantize_pieces` of several weights of one ``shape`` (an MoE layer's experts): on CPU two native
-    calls over all their pieces, run in parallel (:func:`cpu_native.quantize_batch`), else weight by weight.
+) -> None:
+    """Each weight's pieces quantized with its ``scales`` (:func:`fp8_scale_pieces_batch`) into its output: on CPU
+    one native call over all the pieces, run in parallel (:func:`cpu_native.quantize_batch`), else weight by weight.
+    Bytes equal :func:`fp8_quantize_weight` of each assembled weight.
 
     Args:
         weights: per weight, its pieces as in :func:`fp8_quantize_pieces`.
+        scales: float32 [len(weights), *scale_shape(shape)].
         outs: per weight, its contiguous float8_e4m3fn output of ``shape``.
-    Returns:
-        the scales, float32 [len(weights), *scale_shape(shape)].
-    Raises:
-        NonFiniteWeightError: a weight holds NaN or Inf; every scale is computed before the first write, so
-            nothing is written.
     """
     if kernel != "triton" and cpu_native.supports_batch(weights, outs):
-        return cpu_native.quantize_batch(weights, shape, granularity, outs)
-    scales = [_pieces_scale(pieces, shape, granularity, kernel) for pieces in weights]
+        cpu_native.quantize_batch(weights, scales, shape, granularity, outs)
+        return
     for pieces, scale, out in zip(weights, scales, outs, strict=True):
         _quantize_pieces_with(pieces, scale, shape, granularity, out, kernel)
-    return torch.stack(scales)
 
 
 def _block_rows(pieces: list[tuple[int, torch.Tensor]], k: int, granularity: str):
@@ -245,6 +265,7 @@ __all__ = [
     "has_non_finite",
     "fp8_quantize_pieces",
     "fp8_quantize_pieces_batch",
+    "fp8_scale_pieces_batch",
     "pieces_fit",
     "fp8_dequantize",
     "fp8_quantize",

@@ -107,19 +107,21 @@ def scale(w: torch.Tensor, granularity: str) -> torch.Tensor:
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
-    return _to_scale(amax(w, granularity))
+    return scale_from_amax_(amax(w, granularity))
 
 
 def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
     """:func:`reference.scale_from_amax` of a float32 CPU tensor (a new tensor; one call instead of six small
     torch ops). Raises NonFiniteWeightError when any amax is NaN or Inf."""
-    return _to_scale(amax_value.contiguous().clone())
+    return scale_from_amax_(amax_value.contiguous().clone())
 
 
-def _to_scale(out: torch.Tensor) -> torch.Tensor:
-    if _cpu_fp8.scale_from_amax(out.data_ptr(), out.numel()):
+def scale_from_amax_(amax_value: torch.Tensor) -> torch.Tensor:
+    """:func:`scale_from_amax` in place, for a contiguous float32 CPU tensor of amaxes nothing else holds.
+    Raises NonFiniteWeightError when any amax is NaN or Inf."""
+    if _cpu_fp8.scale_from_amax(amax_value.data_ptr(), amax_value.numel()):
         raise NonFiniteWeightError("tensor holds NaN or Inf (non-finite amax)")
-    return out
+    return amax_value
 
 
 def quantize(
@@ -155,66 +157,102 @@ def quantize(
     return out
 
 
-def supports_batch(weights: list[list[tuple[int, torch.Tensor]]], outs: list[torch.Tensor]) -> bool:
-    """Whether :func:`quantize_batch` can take these pieces and outputs: every piece a tensor :func:`supports`
-    takes, all of one dtype, every output a plain contiguous float8_e4m3fn CPU tensor."""
-    if _cpu_fp8 is None or torch.compiler.is_compiling() or not weights or len(weights) != len(outs):
+def supports_batch(weights: list[list[tuple[int, torch.Tensor]]], outs: list[torch.Tensor] | None = None) -> bool:
+    """Whether :func:`amax_batch` (``outs`` None) or :func:`quantize_batch` can take these pieces and outputs: every
+    piece a tensor :func:`supports` takes, all of one dtype, every output a plain contiguous float8_e4m3fn CPU
+    tensor."""
+    if _cpu_fp8 is None or torch.compiler.is_compiling() or not weights or not weights[0]:
         return False
-    dtype = weights[0][0][1].dtype if weights[0] else None
-    for pieces, out in zip(weights, outs, strict=True):
-        if not (_plain(out) and out.device.type == "cpu" and out.dtype == FP8_DTYPE and out.is_contiguous()):
-            return False
-        if not pieces or any(t.dtype != dtype or not supports(t) for _, t in pieces):
-            return False
-    return True
+    if outs is not None and (
+        len(outs) != len(weights)
+        or not all(_plain(o) and o.device.type == "cpu" and o.dtype == FP8_DTYPE and o.is_contiguous() for o in outs)
+    ):
+        return False
+    dtype = weights[0][0][1].dtype
+    return all(pieces and all(t.dtype == dtype and supports(t) for _, t in pieces) for pieces in weights)
 
 
-def quantize_batch(
-    weights: list[list[tuple[int, torch.Tensor]]], shape: torch.Size | tuple, granularity: str, outs: list[torch.Tensor]
-) -> torch.Tensor:
-    """Quantize several weights of one ``shape``, each given as contiguous pieces, in two native calls over all
-    their pieces (amax, then quantize; the pieces run in parallel on torch's threads): what
-    ``kernels.fp8_quantize_pieces`` does for one weight, for a whole MoE layer's experts at once.
-
-    Args:
-        weights: per weight, [(flat element offset, tensor)] covering ``shape`` exactly once; per channel and
-            per block whole rows (``kernels.pieces_fit``), which may start inside a 128-row block. Checked here:
-            offsets inside the weight and whole rows (the kernels write through raw pointers).
-        shape: the weights' shape; [N, K] for "channel" and "block".
-        outs: per weight, its contiguous float8_e4m3fn CPU tensor of ``shape`` (:func:`supports_batch`).
-    Returns:
-        the scales, float32 [len(weights), *scale_shape(shape)].
-    Raises:
-        NonFiniteWeightError: a weight holds NaN or Inf (nothing is written); the message names its index.
-        ValueError: a batch :func:`supports_batch` refuses, a piece outside its weight or not whole rows, or an
-            output of another size.
-    """
-    if not supports_batch(weights, outs):  # dtypes, contiguity and devices: the kernels read raw pointers
-        raise ValueError("quantize_batch: pieces of one bfloat16 or float32 dtype and contiguous float8 outputs only")
+def _batch_table(
+    weights: list[list[tuple[int, torch.Tensor]]], shape, granularity: str, outs: list[torch.Tensor] | None
+) -> tuple[torch.Tensor, int]:
+    """(int64 [n_pieces * PIECE_COLUMNS] table of ``_cpu_fp8.amax_pieces`` / ``quantize_pieces``, k), after the
+    checks the raw-pointer kernels need (:func:`supports_batch`; every piece whole rows inside its weight; every
+    output of the weight's size)."""
+    if not supports_batch(weights, outs):
+        raise ValueError("a batch of pieces: one bfloat16 or float32 dtype, contiguous float8 outputs only")
     total = torch.Size(shape).numel()
-    one = scale_shape(shape, granularity)
     k = shape[-1] if granularity != "tensor" else 1
-    per_weight = torch.Size(one).numel()
+    per_weight = torch.Size(scale_shape(shape, granularity)).numel()
     table = []
-    for u, (pieces, out) in enumerate(zip(weights, outs, strict=True)):
-        if out.numel() != total:
-            raise ValueError(f"weight {u}: output of {out.numel()} elements for a weight of shape {tuple(shape)}")
-        base = out.data_ptr()
+    for u, pieces in enumerate(weights):
+        base = 0
+        if outs is not None:
+            if outs[u].numel() != total:
+                raise ValueError(
+                    f"weight {u}: output of {outs[u].numel()} elements for a weight of shape {tuple(shape)}"
+                )
+            base = outs[u].data_ptr()
         for off, t in pieces:
             n = t.numel()
             if off < 0 or off + n > total or off % k or n % k:
                 raise ValueError(f"weight {u}: a piece at [{off}, {off + n}) is not whole rows of {tuple(shape)}")
-            table += (t.data_ptr(), base + off, n, u * per_weight, off // k)
-    table = torch.tensor(table, dtype=torch.int64)
-    amax = torch.zeros(len(weights), *one, dtype=torch.float32)
-    dtype, code, threads = DTYPE_CODES[weights[0][0][1].dtype], GRANULARITY_CODES[granularity], torch.get_num_threads()
+            table += (t.data_ptr(), base + off if base else 0, n, u * per_weight, off // k)
+    return torch.tensor(table, dtype=torch.int64), k
+
+
+def amax_batch(
+    weights: list[list[tuple[int, torch.Tensor]]], shape: torch.Size | tuple, granularity: str
+) -> torch.Tensor:
+    """max|w| per scale group of several weights of one ``shape``, each given as contiguous pieces, in one native
+    call over all their pieces (run in parallel on torch's threads): the first half of what
+    ``kernels.fp8_quantize_pieces`` does, for a whole MoE layer's experts at once.
+
+    Args:
+        weights: per weight, [(flat element offset, tensor)] covering ``shape`` exactly once; per channel and
+            per block whole rows (``kernels.pieces_fit``), which may start inside a 128-row block. Checked here:
+            offsets inside the weight and whole rows (the kernels read through raw pointers).
+        shape: the weights' shape; [N, K] for "channel" and "block".
+    Returns:
+        float32 [len(weights), *scale_shape(shape)], NaN or Inf where a group holds one.
+    Raises:
+        ValueError: a batch :func:`supports_batch` refuses, or a piece outside its weight or not whole rows.
+    """
+    table, k = _batch_table(weights, shape, granularity, None)
+    amax = torch.zeros(len(weights), *scale_shape(shape, granularity), dtype=torch.float32)
+    dtype, code = DTYPE_CODES[weights[0][0][1].dtype], GRANULARITY_CODES[granularity]
     n_pieces = table.numel() // PIECE_COLUMNS
-    _cpu_fp8.amax_pieces(table.data_ptr(), n_pieces, dtype, code, k, amax.data_ptr(), threads)
-    if _cpu_fp8.scale_from_amax(amax.data_ptr(), amax.numel()):  # non-finite entries are left as amax
-        bad = (~torch.isfinite(amax.view(len(weights), -1))).any(1).nonzero().flatten().tolist()
-        raise NonFiniteWeightError(f"weight {bad[0]} of the batch holds NaN or Inf (non-finite amax)")
-    _cpu_fp8.quantize_pieces(table.data_ptr(), n_pieces, dtype, code, k, amax.data_ptr(), threads, True)
+    _cpu_fp8.amax_pieces(table.data_ptr(), n_pieces, dtype, code, k, amax.data_ptr(), torch.get_num_threads())
     return amax
+
+
+def quantize_batch(
+    weights: list[list[tuple[int, torch.Tensor]]],
+    scales: torch.Tensor,
+    shape: torch.Size | tuple,
+    granularity: str,
+    outs: list[torch.Tensor],
+) -> None:
+    """Each piece of several weights quantized with its weight's ``scales`` (from its own amax: the unclamped
+    conversion) into its region of the weight's output, in one native call over all the pieces.
+
+    Args:
+        weights: as :func:`amax_batch`.
+        scales: float32 [len(weights), *scale_shape(shape)], finite (``kernels.scale_from_amax`` of :func:`amax_batch`).
+        outs: per weight, its contiguous float8_e4m3fn CPU tensor of ``shape``.
+    Raises:
+        ValueError: a batch :func:`supports_batch` refuses, a piece outside its weight or not whole rows, an output
+            of another size, or scales of another shape.
+    """
+    table, k = _batch_table(weights, shape, granularity, outs)
+    want = (len(weights), *scale_shape(shape, granularity))
+    if tuple(scales.shape) != want or scales.dtype != torch.float32 or scales.device.type != "cpu":
+        raise ValueError(f"scales: float32 {want} on the CPU, got {scales.dtype} {tuple(scales.shape)}")
+    scales = scales.contiguous()
+    dtype, code = DTYPE_CODES[weights[0][0][1].dtype], GRANULARITY_CODES[granularity]
+    n_pieces = table.numel() // PIECE_COLUMNS
+    _cpu_fp8.quantize_pieces(
+        table.data_ptr(), n_pieces, dtype, code, k, scales.data_ptr(), torch.get_num_threads(), True
+    )
 
 
 def supports_copy(src: torch.Tensor, dst: torch.Tensor) -> bool:

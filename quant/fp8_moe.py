@@ -21,7 +21,8 @@ and up rows. The torch kernel takes the whole expert's amax, then quantizes it s
 on CPU in one native pass each (``kernels/cpu_native.py``), else through the reference, whose float32 work
 buffers are row chunks of at most 1 MiB (or 128 rows x K x 4 bytes for per-block amax). Experts given as their
 loaded tensors (pieces: the session's ``process_experts`` batches of a layer read from a checkpoint) are
-quantized where they lie, a whole batch in two native passes on CPU (``fp8_quantize_pieces_batch``). The Triton kernels
+quantized where they lie: every expert's scales first, then the bytes, each in one native pass over the whole
+batch on CPU (``fp8_scale_pieces_batch``, ``fp8_quantize_pieces_batch``). The Triton kernels
 quantize 2 tiles (:func:`expert_tiles`), which bounds their FP8 output, and copy each into the slice.
 
 Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
@@ -45,6 +46,7 @@ from layerwise.kernels import (
     fp8_quantize_pieces,
     fp8_quantize_pieces_batch,
     fp8_scale,
+    fp8_scale_pieces_batch,
     pieces_fit,
 )
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
@@ -150,19 +152,28 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                     q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
         kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
 
-    def process_experts(self, layer, param_name, expert_ids, weight_pieces, kernel_tensors) -> None:
-        """Experts ``expert_ids``, each given as its pieces, into their FP8 slices and scales: one
-        ``fp8_quantize_pieces_batch`` (on CPU two native passes over every piece, in parallel), the same bytes
-        and scales as :meth:`process_expert` of each.
+    def process_experts(self, layer, batches, kernel_tensors) -> None:
+        """Experts given as their pieces, ``{param_name: (expert_ids, weight_pieces)}``, into their FP8 slices and
+        scales: every expert's scales first (``fp8_scale_pieces_batch``, on CPU one native pass over all the
+        pieces), then every expert's bytes (``fp8_quantize_pieces_batch``): the same bytes and scales as
+        :meth:`process_expert` of each.
 
         Raises:
-            NonFiniteWeightError: an expert holds NaN or Inf (raised before any write).
+            NonFiniteWeightError: an expert holds NaN or Inf (raised before any write to any parameter).
         """
-        q = kernel_tensors[param_name].data
-        outs = [q[e] for e in expert_ids]
-        scales = fp8_quantize_pieces_batch(weight_pieces, q.shape[1:], self.granularity, outs, self.kernel)
-        scale = kernel_tensors[self.scale_names[param_name]].data
-        scale[torch.tensor(expert_ids, device=scale.device)] = scales.to(scale.device).view(-1, *scale.shape[1:])
+        g = self.granularity
+        scales = {}
+        for param_name, (_, pieces) in batches.items():
+            shape = kernel_tensors[param_name].shape[1:]
+            scales[param_name] = fp8_scale_pieces_batch(pieces, shape, g, self.kernel)
+        for param_name, (expert_ids, pieces) in batches.items():
+            q = kernel_tensors[param_name].data
+            fp8_quantize_pieces_batch(
+                pieces, scales[param_name], q.shape[1:], g, [q[e] for e in expert_ids], self.kernel
+            )
+            scale = kernel_tensors[self.scale_names[param_name]].data
+            index = torch.tensor(expert_ids, device=scale.device)
+            scale[index] = scales[param_name].to(scale.device).view(-1, *scale.shape[1:])
 
     def _expert_scale(self, layer: nn.Module, param_name: str, expert_id: int) -> torch.Tensor:
         scale = getattr(layer, self.scale_names[param_name])

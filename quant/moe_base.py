@@ -91,17 +91,15 @@ class FusedMoEMethodBase:
     def process_experts(
         self,
         layer: nn.Module,
-        param_name: str,
-        expert_ids: list[int],
-        weight_pieces: list[list[tuple[int, torch.Tensor]]],
+        batches: dict[str, tuple[list[int], list[list[tuple[int, torch.Tensor]]]]],
         kernel_tensors: dict[str, torch.Tensor],
     ) -> None:
-        """:meth:`process_expert` of several experts at once, each given as its pieces (the session queues a
-        layer's experts whose loads are all verbatim checkpoint tensors). A method whose
-        :meth:`accepts_weight_pieces` can say yes implements it.
+        """:meth:`process_expert` of several experts at once, ``{param_name: (expert_ids, weight_pieces)}``, each
+        expert given as its pieces (the session queues a layer's experts whose loads are all verbatim checkpoint
+        tensors). A method whose :meth:`accepts_weight_pieces` can say yes implements it.
 
         Raises:
-            NonFiniteWeightError: an expert holds NaN or Inf, raised before any expert is written.
+            NonFiniteWeightError: an expert holds NaN or Inf, raised before any expert of any parameter is written.
         """
         raise NotImplementedError(f"{type(self).__name__} takes weight pieces but has no process_experts")
 

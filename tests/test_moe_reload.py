@@ -342,24 +342,26 @@ def test_non_finite_expert_in_a_checkpoint_directory_names_its_key(pair, tmp_pat
     _assert_same_bytes(model, fresh_a)
     with pytest.raises(layerwise.ReloadError) as e:
         layerwise.reload_weights(model, nan_dir)
-    # w13 (gate + up) holds the NaN and is written by no expert; the layer's w2 was written before
-    experts = _experts(model)
-    assert torch.equal(as_bytes(experts.w13_weight), as_bytes(_experts(fresh_a).w13_weight))
-    assert f"model.layers.1.{MOE_NAMES[arch][0]}.experts" in e.value.updated_modules
+    # w13 (gate + up) holds the NaN: every queued expert's scales come before any write, so neither w13 nor the
+    # layer's w2 (whose batch alone is finite) is written, and the layer is not reported
+    experts, before = _experts(model), _experts(fresh_a)
+    for name in KERNEL_NAMES["fp8-per-tensor"]:
+        assert torch.equal(as_bytes(experts.get_parameter(name)), as_bytes(before.get_parameter(name))), name
+    assert f"model.layers.1.{MOE_NAMES[arch][0]}.experts" not in e.value.updated_modules
 
 
 def test_a_checkpoint_load_quantizes_each_layers_experts_together(pair, monkeypatch):
-    # every expert of a layer from the checkpoint's own tensors: one process_experts call per projection and MoE
-    # layer, no expert quantized alone
+    # every expert of a layer from the checkpoint's own tensors: one process_experts call per MoE layer (both
+    # projections), no expert quantized alone
     arch, a, _ = pair
     from layerwise.quant.fp8_moe import Fp8MoEMethod
 
     calls = []
     batch, alone = Fp8MoEMethod.process_experts, Fp8MoEMethod.process_expert
 
-    def counted(self, layer, param_name, expert_ids, weight_pieces, kernel_tensors):
-        calls.append((param_name, list(expert_ids)))
-        return batch(self, layer, param_name, expert_ids, weight_pieces, kernel_tensors)
+    def counted(self, layer, batches, kernel_tensors):
+        calls.append({name: sorted(ids) for name, (ids, _) in batches.items()})
+        return batch(self, layer, batches, kernel_tensors)
 
     def refused(*args, **kwargs):
         raise AssertionError("an expert was quantized alone")
@@ -369,8 +371,7 @@ def test_a_checkpoint_load_quantizes_each_layers_experts_together(pair, monkeypa
     model = layerwise.load_model(a, quantization="fp8")
     monkeypatch.setattr(Fp8MoEMethod, "process_expert", alone)
     moe_layers = sum(1 for m in model.modules() if type(m).__name__ == "FusedMoE")
-    assert moe_layers >= 2 and len(calls) == 2 * moe_layers
-    assert all(sorted(ids) == list(range(8)) for _, ids in calls)
+    assert moe_layers >= 2 and calls == [{"w13_weight": list(range(8)), "w2_weight": list(range(8))}] * moe_layers
     _assert_same_bytes(model, load_from_stream(a, list(Checkpoint(a)), "fp8"))  # expert by expert
 
 

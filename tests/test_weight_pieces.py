@@ -5,7 +5,14 @@ import torch
 
 import layerwise
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import GRANULARITIES, cpu_native, fp8_quantize_pieces, fp8_quantize_pieces_batch, pieces_fit
+from layerwise.kernels import (
+    GRANULARITIES,
+    cpu_native,
+    fp8_quantize_pieces,
+    fp8_quantize_pieces_batch,
+    fp8_scale_pieces_batch,
+    pieces_fit,
+)
 from layerwise.quant.parameters import ModelWeightParameter, default_weight_loader
 from layerwise.reload.counting import record_loader
 from tests.hf_checkpoints import write_hf_checkpoint
@@ -54,7 +61,8 @@ def test_a_batch_of_weights_quantizes_as_each_assembled_weight(native, granulari
         monkeypatch.setattr(cpu_native, "_cpu_fp8", None)
     weights = [_pieces(sizes, 300, dtype, seed) for seed, sizes in enumerate([*ROW_SPLITS.values(), [773]])]
     outs = [torch.zeros(773, 300, dtype=FP8) for _ in weights]
-    scales = fp8_quantize_pieces_batch([p for _, p in weights], (773, 300), granularity, outs, "torch")
+    scales = fp8_scale_pieces_batch([p for _, p in weights], (773, 300), granularity, "torch")
+    fp8_quantize_pieces_batch([p for _, p in weights], scales, (773, 300), granularity, outs, "torch")
     for (whole, _), out, scale in zip(weights, outs, scales, strict=True):
         q, want = torch_fp8_reference(whole, granularity)
         assert torch.equal(scale.reshape(want.shape), want) and torch.equal(_bits(out), _bits(q))
@@ -62,34 +70,34 @@ def test_a_batch_of_weights_quantizes_as_each_assembled_weight(native, granulari
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "weight-by-weight"])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_a_non_finite_weight_in_a_batch_raises_before_any_write(native, granularity, monkeypatch):
+def test_a_non_finite_weight_in_a_batch_is_named_by_its_scales(native, granularity, monkeypatch):
     if native and not cpu_native.available():
         pytest.skip("the _cpu_fp8 extension is not built")
     if not native:
         monkeypatch.setattr(cpu_native, "_cpu_fp8", None)
     weights = [_pieces(ROW_SPLITS["inside-blocks"], 64, torch.bfloat16, seed)[1] for seed in range(3)]
     weights[2][1][1][7, 3] = float("inf")
-    outs = [torch.zeros(773, 64, dtype=FP8) for _ in weights]
-    with pytest.raises(NonFiniteWeightError):
-        fp8_quantize_pieces_batch(weights, (773, 64), granularity, outs, "torch")
-    assert not any(_bits(out).any() for out in outs)
+    with pytest.raises(NonFiniteWeightError, match="weight 2 of the batch" if native else "NaN or Inf"):
+        fp8_scale_pieces_batch(weights, (773, 64), granularity, "torch")
 
 
 def test_the_native_batch_refuses_a_piece_outside_its_weight():
     if not cpu_native.available():
         pytest.skip("the _cpu_fp8 extension is not built")
-    out = torch.zeros(8, 4, dtype=FP8)
+    out, one = torch.zeros(8, 4, dtype=FP8), torch.ones(1)
     with pytest.raises(ValueError, match="not whole rows"):
-        cpu_native.quantize_batch([[(0, torch.ones(4, 4)), (20, torch.ones(4, 4))]], (8, 4), "channel", [out])
+        cpu_native.amax_batch([[(0, torch.ones(4, 4)), (20, torch.ones(4, 4))]], (8, 4), "channel")
     with pytest.raises(ValueError, match="not whole rows"):
-        cpu_native.quantize_batch([[(2, torch.ones(8, 4))]], (8, 4), "tensor", [out])
-    # the kernels read and write raw pointers: one dtype for every piece, contiguous float8 outputs
+        cpu_native.quantize_batch([[(2, torch.ones(8, 4))]], one, (8, 4), "tensor", [out])
+    # the kernels read and write raw pointers: one dtype for every piece, contiguous float8 outputs, scales that fit
     mixed = [[(0, torch.ones(8, 4))], [(0, torch.ones(8, 4, dtype=torch.bfloat16))]]
     with pytest.raises(ValueError, match="one bfloat16 or float32 dtype"):
-        cpu_native.quantize_batch(mixed, (8, 4), "tensor", [out, torch.zeros(8, 4, dtype=FP8)])
+        cpu_native.amax_batch(mixed, (8, 4), "tensor")
     strided = torch.zeros(8, 8, dtype=FP8)[:, :4]
     with pytest.raises(ValueError, match="contiguous float8"):
-        cpu_native.quantize_batch([[(0, torch.ones(8, 4))]], (8, 4), "tensor", [strided])
+        cpu_native.quantize_batch([[(0, torch.ones(8, 4))]], one, (8, 4), "tensor", [strided])
+    with pytest.raises(ValueError, match="scales"):
+        cpu_native.quantize_batch([[(0, torch.ones(8, 4))]], torch.ones(8, 1), (8, 4), "tensor", [out])
     assert not _bits(out).any() and not _bits(strided.contiguous()).any()
 
 

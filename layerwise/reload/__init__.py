@@ -48,9 +48,9 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    layer's kernel tensors. A complete unit whose loads are all unread checkpoint tensors (lazy: holding
    them costs nothing) that the quant method takes as pieces (10) is not processed at once: it waits
    in ``pending_units`` until the module's last unit (or finalize, for a partial reload), and then
-   every waiting unit of a parameter is quantized in one ``process_experts`` call (on CPU two native
-   passes in parallel over all their pieces); a NaN or Inf in any of them is raised, naming its key,
-   before that call writes anything.
+   every waiting unit is quantized in one ``process_experts`` call: all their scales first (on CPU one
+   native pass per parameter over all their pieces, in parallel), then all their bytes; a NaN or Inf in
+   any of them is raised, naming its key, before anything is written.
 10. A weight whose every load is a verbatim copy (``counting.record_loader``: the whole loaded tensor,
    same dtype, into one contiguous region; no TP slice, cast or transpose) of a tensor already on the
    session's device is not materialized: a quant method that accepts pieces

@@ -375,37 +375,39 @@ def _non_finite_unit(info: LayerReloadingInfo, unit: Hashable, state: UnitState)
 
 
 def _process_pending_units(module: nn.Module, info: LayerReloadingInfo) -> None:
-    """Quantize the module's queued units, per parameter in one ``process_experts`` call over all their pieces
-    (on CPU two native passes run in parallel over every piece, instead of ~10 small calls per expert)."""
+    """Quantize the module's queued units in one ``process_experts`` call over all their pieces: every unit's
+    scale before any write (a NaN or Inf anywhere leaves the module untouched), on CPU one native pass for the
+    scales and one for the bytes of each parameter, instead of ~10 small calls per expert."""
     pending, info.pending_units = info.pending_units, []
     targets = _unit_targets(module, info)
     device = next(iter(targets.values())).device
-    by_param: dict[str, list] = {}
+    batches: dict[str, tuple[list, list]] = {}
+    queued = []
     for unit in pending:
-        by_param.setdefault(unit[0], []).append(unit)
-    for param_name, units in by_param.items():
-        shape = info.restore_metadata[param_name].shape[1:]
-        n = info.unit_numel[param_name]
-        states = [info.units[unit] for unit in units]
-        pieces = [
-            _loaded_pieces(module.quant_method, shape, s.loaded_weights, device, u[1] * n)
-            for u, s in zip(units, states, strict=True)
-        ]
-        if any(p is None for p in pieces):  # cannot happen for whole checkpoint tensors: processed one by one
-            for unit, state in zip(units, states, strict=True):
-                _process_unit(module, info, unit, state)
+        state = info.units[unit]
+        first = unit[1] * info.unit_numel[unit[0]]
+        shape = info.restore_metadata[unit[0]].shape[1:]
+        pieces = _loaded_pieces(module.quant_method, shape, state.loaded_weights, device, first)
+        if pieces is None:  # cannot happen for whole checkpoint tensors: processed alone
+            _process_unit(module, info, unit, state)
             continue
-        started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
-        try:
-            module.quant_method.process_experts(module, param_name, [u[1] for u in units], pieces, targets)
-        except NonFiniteWeightError as e:  # raised before any write
-            info.units_started = started_before
-            bad = [(u, s) for u, s in zip(units, states, strict=True) if _find_non_finite_key(s.loaded_weights)]
-            if not bad:
-                raise
-            raise _non_finite_unit(info, *bad[0]) from e
-        for unit, state in zip(units, states, strict=True):
-            _unit_processed(module, info, unit, state, counted=False)
+        ids, weights = batches.setdefault(unit[0], ([], []))
+        ids.append(unit[1])
+        weights.append(pieces)
+        queued.append((unit, state))
+    if not queued:
+        return
+    started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
+    try:
+        module.quant_method.process_experts(module, batches, targets)
+    except NonFiniteWeightError as e:  # raised before any write
+        info.units_started = started_before
+        bad = [(u, s) for u, s in queued if _find_non_finite_key(s.loaded_weights)]
+        if not bad:
+            raise
+        raise _non_finite_unit(info, *bad[0]) from e
+    for unit, state in queued:
+        _unit_processed(module, info, unit, state, counted=False)
 
 
 def _unit_processed(
