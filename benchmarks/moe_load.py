@@ -5,7 +5,8 @@ The checkpoint keeps Qwen3-30B-A3B's expert structure (128 experts, top-8, per-e
 gate_proj/up_proj/down_proj keys, hidden : moe_intermediate = 2048 : 768) with fewer layers and a smaller
 hidden size (sizes below); random BF16 normal(0, 0.02) weights written with safetensors, one shard per
 decoder layer, cached under --cache-dir. Every method runs in a fresh subprocess through
-``layerwise.benchmarks.peak_memory``'s worker (same tracker; the fastest load after the first of --loads):
+``layerwise.benchmarks.peak_memory``'s worker (same tracker; the fastest load after the first of --loads; every
+allocation of 128 KiB or more in fresh pages, as in a process's one real load: ``MMAP_THRESHOLD``):
 
   floor-read-copy           read every checkpoint tensor and copy it to the device
   layerwise-fp8-per-*       layerwise.load_model, the three FP8 schemes (one expert unit at a time)
@@ -81,6 +82,9 @@ SIZES = {
     ),
 }
 NUM_EXPERTS, TOP_K = 128, 8
+#: bytes: the workers' glibc serves every allocation this large with fresh pages (MALLOC_MMAP_THRESHOLD_, which also
+#: turns off its adaptive threshold), so no load reuses the pages an earlier load in the process freed
+MMAP_THRESHOLD = 128 * 1024
 TARGETS = {"peak_over_final": 1.05, "time_over_floor": 1.5}  # issue 13, for the layerwise methods
 LAYERWISE = ["fp8-per-tensor", "fp8-per-channel", "fp8-per-block"]
 METHODS = ["floor-read-copy"] + [f"layerwise-{s}" for s in LAYERWISE] + ["hf+torchao-quantize_"]
@@ -275,11 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     require(["transformers", "torchao"], purpose="python -m layerwise.benchmarks.moe_load")  # before any work
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the worker processes
+    # every load in fresh pages, as the one load of a real process: with glibc's adaptive mmap threshold the
+    # floor's third load reused the freed pages of the ones before (0.04-0.056 s against 0.10 s fresh), a
+    # reuse FP8 models (25 MB expert tensors here) mostly do not get
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
     start = time.perf_counter()
     load_before = os.getloadavg()  # other work on the machine makes CPU timings noisy: record how much
     result = run(size, args.device, args.cache_dir or default_cache_dir(), args.loads, args.timeout)
     result["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+    result["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     result["wall_seconds"] = time.perf_counter() - start
     default_name = f"moe_load_{args.device}" if size == device_default else f"moe_load_{args.device}_{size}"
     path = write_json(result, args.out_dir, args.name or default_name)
