@@ -61,6 +61,7 @@ def run(device: str, shapes: list[tuple[int, int]], repeats: int, kernel: str | 
         "device": str(device),
         "threads": torch.get_num_threads(),
         "cpu_native": device.type == "cpu" and cpu_native.available(),
+        "cpu_table_path": device.type == "cpu" and cpu_native.table_path(),
         "torch": torch.__version__,
         "repeats": repeats,
         "results": rows,

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels.reference import FP8_DTYPE, scale_shape
 
-ABI_VERSION = 4  # _cpu_fp8.ABI_VERSION of the C source this module calls
+ABI_VERSION = 5  # _cpu_fp8.ABI_VERSION of the C source this module calls
 
 try:
     from layerwise.kernels import _cpu_fp8
@@ -46,6 +46,13 @@ GRANULARITY_CODES = {"tensor": 0, "channel": 1, "block": 2}
 def available() -> bool:
     """Whether the extension was built and imported."""
     return _cpu_fp8 is not None
+
+
+def table_path() -> bool:
+    """Whether the in-range bfloat16 quantize (a scale from the weight's own amax: every load and reload) runs as a
+    table lookup here (x86-64 with AVX-512 VBMI), about twice as fast as the exact conversion it equals bit for bit;
+    False where the extension is not built or the CPU lacks VBMI (the exact conversion runs)."""
+    return _cpu_fp8 is not None and _cpu_fp8.table_path()
 
 
 def supports(w: torch.Tensor, out: torch.Tensor | None = None) -> bool:

@@ -102,6 +102,33 @@ def test_float32_rounding_ties_and_edges_quantize_as_torch_casts():
 
 @native
 @pytest.mark.parametrize("granularity", reference.GRANULARITIES)
+@pytest.mark.parametrize("headroom", [False, True])
+def test_in_range_quantize_of_every_finite_bf16_in_random_order(granularity, headroom):
+    # The in-range conversion of every finite bfloat16 pattern, shuffled so that each 64-element vector mixes
+    # binades, zeros and subnormals, as torch casts it. The scales are the weight's own (a load's) and, with
+    # `headroom`, up to 2^24 times larger (still in range): more elements fall below the table's lowest binade
+    # and their vectors take the exact path, and tables are built for scales of every magnitude.
+    x = _every_bf16().reshape(-1)
+    g = torch.Generator().manual_seed(11)
+    x = x[x.float().isfinite()]
+    x = x[torch.randperm(x.numel(), generator=g)][: 255 * 256].reshape(255, 256).contiguous()
+    scale = reference.scale_from_amax(reference.amax(x, granularity))
+    if headroom:
+        scale = scale * torch.exp2(torch.randint(0, 25, scale.shape, generator=g).float())
+    got = cpu_native.quantize(x, scale, granularity, within_range=True)
+    assert torch.equal(_bits(got), _bits(_own_cast(x, _expand(scale, granularity, x.shape))))
+
+
+def test_the_table_path_runs_where_the_cpu_has_avx512_vbmi():
+    # the fast in-range conversion must not silently fall back to the exact one on a CPU that can run it
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if not cpu_native.available() or " avx512vbmi " not in flags.replace("\n", " "):
+        pytest.skip("no extension or no AVX-512 VBMI: the exact conversion runs")
+    assert cpu_native.table_path()
+
+
+@native
+@pytest.mark.parametrize("granularity", reference.GRANULARITIES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_amax_and_quantize_of_a_ragged_weight_split_over_threads(granularity, dtype, threads):
