@@ -84,23 +84,24 @@ def peak_memory_table(result: dict) -> str:
 
 
 def reload_latency_table(result: dict) -> str:
-    """Markdown table of a reload_latency result: seconds per case and the ratio to the floor (and the
-    first reload of each live model where the result has it)."""
-    first = any("first_seconds" in r for r in result["results"])
-    lines = (
-        ["| case | seconds | / floor | first s |", "|---|---:|---:|---:|"]
-        if first
-        else [
-            "| case | seconds | / floor |",
-            "|---|---:|---:|",
-        ]
-    )
-    for r in result["results"]:
+    """Markdown table of a reload_latency result: seconds per case, the ratio to the floor copies measured in the
+    same rounds (older results: to the run's floor), to the fastest floor of the run where recorded, and the
+    first reload of each live model where the result has it."""
+    rows = result["results"]
+    first = any("first_seconds" in r for r in rows)
+    fastest = any("over_fastest_floor" in r for r in rows)
+    head = ["case", "seconds", "/ floor"] + (["/ fastest floor"] if fastest else []) + (["first s"] if first else [])
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | did not run: {r['error'][:80]} | |" + (" |" if first else ""))
+            lines.append(f"| {r['case']} | did not run: {r['error'][:80]} |" + " |" * (len(head) - 2))
             continue
-        line = f"| {r['case']} | {r['seconds']:.3f} | {r.get('over_floor', 1.0):.2f} |"
-        lines.append(line + (f" {_f(r.get('first_seconds'), '.3f')} |" if first else ""))
+        cells = [r["case"], f"{r['seconds']:.3f}", f"{r.get('over_floor', 1.0):.2f}"]
+        if fastest:
+            cells.append(_f(r.get("over_fastest_floor")) if "over_floor" in r else "")
+        if first:
+            cells.append(_f(r.get("first_seconds"), ".3f"))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

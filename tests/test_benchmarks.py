@@ -125,8 +125,12 @@ def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(t
         "fp8-per-tensor: from disk (page cache warm)",
         "fp8-per-block: from disk (page cache warm)",
     ):
-        assert cases[name]["seconds"] > 0 and cases[name]["first_seconds"] > 0
-        assert cases[name]["over_floor"] == cases[name]["seconds"] / floor["seconds"]
+        row = cases[name]
+        assert row["seconds"] > 0 and row["first_seconds"] > 0 and row["floor_seconds"] > 0
+        # the best reload over the best floor copy of the same rounds, and over the fastest floor of the run
+        assert row["over_floor"] == row["seconds"] / row["floor_seconds"]
+        fastest = min([floor["seconds"]] + [r["floor_seconds"] for r in result["results"] if "floor_seconds" in r])
+        assert row["over_fastest_floor"] == row["seconds"] / fastest
     assert {(r["scheme"], r["source"]) for r in result["results"] if "scheme" in r} == {
         (s, source) for s in ("none", "fp8-per-tensor", "fp8-per-block") for source in ("stream", "dir")
     }
@@ -303,11 +307,12 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     assert summary["first_minus_second_load_seconds"] == {
         "fp8-per-tensor": ours["first_seconds"] - ours["second_seconds"]
     }
-    floor = rl[(None, "floor")]["seconds"]
-    for scheme in ("none", "fp8-per-tensor"):
+    for scheme in ("none", "fp8-per-tensor"):  # each reload over the floor copies of its own rounds
         for source in ("dir", "stream"):
-            assert summary[f"reload_{source}_over_copy_floor"][scheme] == rl[(scheme, source)]["seconds"] / floor
-        assert summary["met"][f"reload stream {scheme}"] == (rl[(scheme, "stream")]["seconds"] / floor <= 2.0)
+            row = rl[(scheme, source)]
+            assert summary[f"reload_{source}_over_copy_floor"][scheme] == row["seconds"] / row["floor_seconds"]
+        stream = rl[(scheme, "stream")]
+        assert summary["met"][f"reload stream {scheme}"] == (stream["seconds"] / stream["floor_seconds"] <= 2.0)
     assert summary["peak_minus_final_over_largest_layer"] == {"fp8-per-tensor": ours["overhead_over_largest_layer"]}
     assert summary["met"]["peak fp8-per-tensor"] == (ours["overhead_over_largest_layer"] <= 1.0)
     assert summary["met"]["load fp8-per-tensor"] == (summary["load_over_floor"]["fp8-per-tensor"] <= 1.5)
