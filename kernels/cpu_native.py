@@ -3,9 +3,10 @@
 Bit-exact with :mod:`layerwise.kernels.reference` (tested over every bfloat16 bit pattern), and what the
 ``"torch"`` kernel runs on CPU for contiguous bfloat16 and float32 tensors when the extension is built.
 torch's CPU cast to float8 is a scalar loop and the reference makes four passes (widen, divide, clamp,
-cast): on an 8192 x 4096 BF16 weight here (AMD EPYC, 2 threads) the reference quantizes in 19-21 ms and
-its per-channel amax takes 8.7 ms; the native kernels take 5.2-5.8 ms and 1.8-2.2 ms, against a 4.0 ms
-``copy_`` of the weight (``python -m layerwise.benchmarks.quant_kernels``).
+cast): on an 8192 x 4096 BF16 weight here (AMD EPYC, 2 threads) the reference quantizes in 19-27 ms and
+its per-channel amax takes 8.7 ms; the native kernels take 5.1-5.8 ms (the exact conversion), 2.3 ms (the
+table lookup a scale from the weight's own amax takes, :func:`table_path`) and 1.4-2.2 ms, against a
+3.7-4.0 ms ``copy_`` of the weight (``python -m layerwise.benchmarks.quant_kernels``).
 
 The extension is compiled by ``pip install`` (a C compiler and the Python headers; no torch headers, so
 it builds in about a second) and is optional: where it could not be built, :func:`available` is False and
