@@ -357,6 +357,8 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
     except ReloadError:
         raise  # finalize already restored the model and listed the updated modules
     except LayerwiseError as e:
+        if e.key and file_of is not None:  # raised at finalize (a queued unit's NaN), past stream_weights' context
+            e.add_context(file=file_of(e.key))
         raise ReloadError.wrap(e, session.updated_before_abort if session else []) from e
     except Exception as e:  # an I/O or torch error midway: the session was aborted; name what it overwrote
         if session is None:

@@ -440,3 +440,27 @@ def test_a_loader_writing_outside_its_expert_is_refused(pair, monkeypatch):
     monkeypatch.setattr(FusedMoE, "weight_loader", off_by_one)
     with pytest.raises(LayerwiseError, match="writes outside"):
         layerwise.load_model(a)
+
+
+def test_a_nan_found_at_finalize_names_its_key_and_file(pair, tmp_path):
+    # a partial reload from a directory that holds two experts of one layer: they are quantized at finalize, after
+    # the stream ended, and the error still names the tensor and the file it came from
+    arch, a, b = pair
+    bad = _expert_key(arch, 1, 6, 1)
+    keys = [_expert_key(arch, 1, e, which) for e in (2, 6) for which in range(3)]
+    tensors = {}
+    for k, t in Checkpoint(b):
+        if k in keys:
+            tensors[k] = torch.full_like(t, float("nan")) if k == bad else t.clone()
+    (tmp_path / "config.json").write_bytes((b / "config.json").read_bytes())
+    save_file(tensors, str(tmp_path / "experts.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(tensors, "experts.safetensors")})
+    )
+    model = layerwise.load_model(a, quantization="fp8")
+    before = model_digest(model)
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, tmp_path)
+    assert isinstance(e.value.cause, layerwise.NonFiniteWeightError) and "[6]" in str(e.value)
+    assert e.value.key == bad and e.value.file.endswith("experts.safetensors"), str(e.value)
+    assert e.value.updated_modules == [] and model_digest(model) == before  # every scale before any write
