@@ -643,6 +643,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fp8", NULL, -1,
 #define ABI_VERSION 5
 
 PyMODINIT_FUNC PyInit__cpu_fp8(void) {
+    (void)lut_supported(); /* the CPU check made once here, not first by several OpenMP threads at once */
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
         Py_DECREF(m);
