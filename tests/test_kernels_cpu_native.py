@@ -60,6 +60,7 @@ def test_every_bf16_pattern_quantizes_as_torch_casts():
     x = _every_bf16()
     finite = x.float().isfinite()
     scales = [1.0, 448.0 / 3e38, torch.finfo(torch.float32).tiny, 2.0**-133, 1e-3, 0.37, 7.0, 2.0**100, 3e38 / 448]
+    scales += [2.0**126 * 1.99, 2.0**127, 3e38, torch.finfo(torch.float32).max]  # scales of the top binades
     g = torch.Generator().manual_seed(0)
     scales += torch.exp(torch.empty(64).uniform_(-85, 85, generator=g)).tolist()
     for s in scales:
@@ -103,18 +104,23 @@ def test_float32_rounding_ties_and_edges_quantize_as_torch_casts():
 @native
 @pytest.mark.parametrize("granularity", reference.GRANULARITIES)
 @pytest.mark.parametrize("headroom", [False, True])
-def test_in_range_quantize_of_every_finite_bf16_in_random_order(granularity, headroom):
-    # The in-range conversion of every finite bfloat16 pattern, shuffled so that each 64-element vector mixes
-    # binades, zeros and subnormals, as torch casts it. The scales are the weight's own (a load's) and, with
-    # `headroom`, up to 2^24 times larger (still in range): more elements fall below the table's lowest binade
-    # and their vectors take the exact path, and tables are built for scales of every magnitude.
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_in_range_quantize_of_every_finite_bf16(granularity, headroom, order):
+    # The in-range conversion (a scale from the weight's own amax) of every finite bfloat16 pattern, as torch casts
+    # it. Sorted by value, each 64-element vector holds neighbouring magnitudes, which the table covers (the
+    # table path where the CPU has it); shuffled, vectors mix binades, zeros and subnormals and take the exact
+    # path. The scales are the weight's own (a load's) and, with `headroom`, up to 2^24 times larger (still in
+    # range, kept finite): more elements fall below the table's lowest binade, and scales reach 2^127 and above.
     x = _every_bf16().reshape(-1)
     g = torch.Generator().manual_seed(11)
     x = x[x.float().isfinite()]
-    x = x[torch.randperm(x.numel(), generator=g)][: 255 * 256].reshape(255, 256).contiguous()
+    x = x.sort().values if order == "sorted" else x[torch.randperm(x.numel(), generator=g)]
+    x = x[: 85 * 768].reshape(85, 768).contiguous()  # rows long enough for a table of their own
     scale = reference.scale_from_amax(reference.amax(x, granularity))
     if headroom:
-        scale = scale * torch.exp2(torch.randint(0, 25, scale.shape, generator=g).float())
+        factor = torch.exp2(torch.randint(0, 25, scale.shape, generator=g).float())
+        scale = (scale * factor).clamp(max=torch.finfo(torch.float32).max)
+        assert scale.isfinite().all() and bool((scale >= 2.0**127).any())
     got = cpu_native.quantize(x, scale, granularity, within_range=True)
     assert torch.equal(_bits(got), _bits(_own_cast(x, _expand(scale, granularity, x.shape))))
 
