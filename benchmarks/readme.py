@@ -84,19 +84,24 @@ def peak_memory_table(result: dict) -> str:
 
 
 def reload_latency_table(result: dict) -> str:
-    """Markdown table of a reload_latency result: seconds per case, the ratio to the floor copies measured in the
-    same rounds (older results: to the run's floor), to the fastest floor of the run where recorded, and the
-    first reload of each live model where the result has it."""
+    """Markdown table of a reload_latency result: best seconds per case; where recorded, the best floor copy of the
+    same rounds; "/ floor" (the median over those rounds of reload / floor; in results without rounds, the best
+    reload over the run's fastest floor); where recorded, the best reload over the fastest floor of the run; and
+    the first reload of each live model where the result has it."""
     rows = result["results"]
     first = any("first_seconds" in r for r in rows)
     fastest = any("over_fastest_floor" in r for r in rows)
-    head = ["case", "seconds", "/ floor"] + (["/ fastest floor"] if fastest else []) + (["first s"] if first else [])
+    head = ["case", "seconds"] + (["floor s"] if fastest else []) + ["/ floor"]
+    head += (["/ fastest floor"] if fastest else []) + (["first s"] if first else [])
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['case']} | did not run: {r['error'][:80]} |" + " |" * (len(head) - 2))
             continue
-        cells = [r["case"], f"{r['seconds']:.3f}", f"{r.get('over_floor', 1.0):.2f}"]
+        cells = [r["case"], f"{r['seconds']:.3f}"]
+        if fastest:  # the floor copies paired with this row's reloads (the first floor row: its own best)
+            cells.append(_f(r.get("floor_seconds", r["seconds"] if r.get("source") == "floor" else None), ".3f"))
+        cells.append(f"{r.get('over_floor', 1.0):.2f}")
         if fastest:
             cells.append(_f(r.get("over_fastest_floor")) if "over_floor" in r else "")
         if first:
@@ -277,6 +282,19 @@ intermediate {cfg["intermediate_size"]}, vocab {cfg["vocab_size"]}) {_written_by
     return parts[0] + "\n\n" + "\n".join(parts[1:])
 
 
+def _reload_method(rl: dict) -> str:
+    """How a reload_latency result was measured, in a sentence or two (older results: best of N)."""
+    if any("rounds" in r for r in rl["results"]):
+        return (
+            f"After a first reload (first s), {rl['repeats']} rounds of one floor copy and one reload back to back: "
+            "seconds = the best reload, floor s = the best floor copy of those rounds, / floor = the median over "
+            "the rounds of reload / floor of the same round (the figure the target is judged on), / fastest floor "
+            "= the best reload over the fastest floor copy of the whole run."
+        )
+    first = " after a first reload (first s)" if any("first_seconds" in r for r in rl["results"]) else ""
+    return f"Best of {rl['repeats']} runs each{first}; / floor = over the fastest floor copy of the run."
+
+
 def _reload_latency(rl: dict, pm: dict) -> str:
     if rl["checkpoint"] == pm["checkpoint"]:
         what = "The same checkpoint"
@@ -286,8 +304,7 @@ def _reload_latency(rl: dict, pm: dict) -> str:
     return f"""### Hot reload latency
 
 {what} as an in-memory BF16 stream (as from a trainer) and from disk, into a live model;
-floor = `copy_` of the same tensors into preallocated BF16 tensors. Best of {rl["repeats"]} runs each\
-{" after a first (first s)" if any("first_seconds" in r for r in rl["results"]) else ""}.{where}
+floor = `copy_` of the same tensors into preallocated BF16 tensors. {_reload_method(rl)}{where}
 
 {reload_latency_table(rl)}"""
 
@@ -541,7 +558,7 @@ second (load s); transformers places the model by {_hf_placement(pm)}.
         parts.append(f"""#### Hot reload
 
 {rl["stream_bytes"] / 1e9:.2f} GB of BF16 into a live model; floor = `copy_` of the same pinned host tensors
-into preallocated device tensors (the H2D copy floor). Best of {rl["repeats"]} after a first reload each.
+into preallocated device tensors (the H2D copy floor). {_reload_method(rl)}
 
 {reload_latency_table(rl)}""")
     if "decode_step" in data:

@@ -100,7 +100,7 @@ def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(t
                 "--size",
                 "small",
                 "--repeats",
-                "1",
+                "3",
                 "--out-dir",
                 str(tmp_path / "new" / "dir"),
                 "--name",
@@ -126,9 +126,11 @@ def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(t
         "fp8-per-block: from disk (page cache warm)",
     ):
         row = cases[name]
-        assert row["seconds"] > 0 and row["first_seconds"] > 0 and row["floor_seconds"] > 0
-        # the best reload over the best floor copy of the same rounds, and over the fastest floor of the run
-        assert row["over_floor"] == row["seconds"] / row["floor_seconds"]
+        assert row["seconds"] > 0 and row["first_seconds"] > 0 and len(row["rounds"]) == 3  # --repeats
+        floors, reloads = zip(*row["rounds"], strict=True)
+        assert row["seconds"] == min(reloads) and row["floor_seconds"] == min(floors) and min(floors) > 0
+        # the median of reload / floor of the same round; the best reload over the fastest floor of the run
+        assert row["over_floor"] == sorted(r / f for f, r in row["rounds"])[1]
         fastest = min([floor["seconds"]] + [r["floor_seconds"] for r in result["results"] if "floor_seconds" in r])
         assert row["over_fastest_floor"] == row["seconds"] / fastest
     assert {(r["scheme"], r["source"]) for r in result["results"] if "scheme" in r} == {
@@ -230,7 +232,7 @@ def test_readme_follows_a_changed_figure(tmp_path):
     assert (tmp_path / "README.md").read_text() == before
     assert readme.main(args) == 0
     after = (tmp_path / "README.md").read_text()
-    assert "| floor: copy_ BF16 tensors | 0.123 | 1.00 |" in after and after != before
+    assert "| floor: copy_ BF16 tensors | 0.123 |" in after and after != before
     head, tail = before[: readme.BEGIN.search(before).end()], before.split(readme.END, 1)[1]
     assert after.startswith(head) and after.endswith(readme.END + tail)  # only the marked section changed
     assert readme.main(["--check", *args]) == 0
@@ -307,12 +309,13 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     assert summary["first_minus_second_load_seconds"] == {
         "fp8-per-tensor": ours["first_seconds"] - ours["second_seconds"]
     }
-    for scheme in ("none", "fp8-per-tensor"):  # each reload over the floor copies of its own rounds
+    for scheme in ("none", "fp8-per-tensor"):  # each reload over the floor copy of its own round (median)
         for source in ("dir", "stream"):
             row = rl[(scheme, source)]
-            assert summary[f"reload_{source}_over_copy_floor"][scheme] == row["seconds"] / row["floor_seconds"]
-        stream = rl[(scheme, "stream")]
-        assert summary["met"][f"reload stream {scheme}"] == (stream["seconds"] / stream["floor_seconds"] <= 2.0)
+            paired = sorted(r / f for f, r in row["rounds"])
+            assert summary[f"reload_{source}_over_copy_floor"][scheme] == paired[len(paired) // 2]
+        stream = sorted(r / f for f, r in rl[(scheme, "stream")]["rounds"])
+        assert summary["met"][f"reload stream {scheme}"] == (stream[len(stream) // 2] <= 2.0)
     assert summary["peak_minus_final_over_largest_layer"] == {"fp8-per-tensor": ours["overhead_over_largest_layer"]}
     assert summary["met"]["peak fp8-per-tensor"] == (ours["overhead_over_largest_layer"] <= 1.0)
     assert summary["met"]["load fp8-per-tensor"] == (summary["load_over_floor"]["fp8-per-tensor"] <= 1.5)
