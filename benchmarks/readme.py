@@ -85,8 +85,8 @@ def peak_memory_table(result: dict) -> str:
 
 def reload_latency_table(result: dict) -> str:
     """Markdown table of a reload_latency result: best seconds per case; where recorded, the best floor copy of the
-    same rounds; "/ floor" (the median over those rounds of reload / floor; in results without rounds, the best
-    reload over the run's fastest floor); where recorded, the best reload over the fastest floor of the run; and
+    same rounds; "/ floor" (the best reload over that floor; in results without rounds, over the run's fastest
+    floor); where recorded, the best reload over the fastest floor of the run; and
     the first reload of each live model where the result has it."""
     rows = result["results"]
     first = any("first_seconds" in r for r in rows)
@@ -287,9 +287,9 @@ def _reload_method(rl: dict) -> str:
     if any("rounds" in r for r in rl["results"]):
         return (
             f"After a first reload (first s), {rl['repeats']} rounds of one floor copy and one reload back to back: "
-            "seconds = the best reload, floor s = the best floor copy of those rounds, / floor = the median over "
-            "the rounds of reload / floor of the same round (the figure the target is judged on), / fastest floor "
-            "= the best reload over the fastest floor copy of the whole run."
+            "seconds = the best reload, floor s = the best floor copy of those rounds, / floor = seconds / floor s "
+            "(the figure the target is judged on), / fastest floor = the best reload over the fastest floor copy of "
+            "the whole run."
         )
     first = " after a first reload (first s)" if any("first_seconds" in r for r in rl["results"]) else ""
     return f"Best of {rl['repeats']} runs each{first}; / floor = over the fastest floor copy of the run."

@@ -6,9 +6,11 @@ floor: ``dst.copy_(src)`` of every stream tensor into preallocated device tensor
 non-blocking: the H2D copy floor). The stream is the same host tensors (pinned on CUDA). Per scheme and
 source: the first reload (one-time compiles included), then ``--repeats`` rounds of one floor copy and one
 reload, back to back (``rounds``: [floor s, reload s] each). ``over_floor``, the figure the targets are judged
-on, is the median over the rounds of reload / floor of the same round: pairing keeps a drift of the machine's
+on, is the best reload over the best floor copy of those same rounds. The rounds keep a drift of the machine's
 speed out of the ratio (on the shared 2-core CPU VM the floor's best varied from 0.070 to 0.103 s within one
-run). ``over_fastest_floor`` divides the best reload by the fastest floor of the whole run instead, the more
+run); the best of each, not a median of per-round ratios, because the noise here only ever adds time, and to
+one copy at a time (a floor copy once took 0.36 s between two of 0.13 and 0.20: a median of ratios then read
+0.89). ``over_fastest_floor`` divides the best reload by the fastest floor of the whole run instead, the more
 pessimistic figure. The floor's destination tensors stay allocated for the whole run (the stream's size again
 on the device: 16 GB for the 8b size, beside the live model). Everything runs in one fresh process, which prints
 each row as it is measured: a run cut off by ``--timeout`` keeps the rows it finished.
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import statistics
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def worker(path: str, device: str, schemes: list[str], repeats: int):
                 "first_seconds": first,
                 "floor_seconds": min(f for f, _ in rounds),
                 "rounds": rounds,
-                "over_floor": statistics.median(r / f for f, r in rounds),
+                "over_floor": min(r for _, r in rounds) / min(f for f, _ in rounds),
             }
         del model
         gc.collect()

@@ -129,8 +129,8 @@ def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(t
         assert row["seconds"] > 0 and row["first_seconds"] > 0 and len(row["rounds"]) == 3  # --repeats
         floors, reloads = zip(*row["rounds"], strict=True)
         assert row["seconds"] == min(reloads) and row["floor_seconds"] == min(floors) and min(floors) > 0
-        # the median of reload / floor of the same round; the best reload over the fastest floor of the run
-        assert row["over_floor"] == sorted(r / f for f, r in row["rounds"])[1]
+        # the best reload over the best floor copy of the same rounds; and over the fastest floor of the run
+        assert row["over_floor"] == min(reloads) / min(floors)
         fastest = min([floor["seconds"]] + [r["floor_seconds"] for r in result["results"] if "floor_seconds" in r])
         assert row["over_fastest_floor"] == row["seconds"] / fastest
     assert {(r["scheme"], r["source"]) for r in result["results"] if "scheme" in r} == {
@@ -309,13 +309,12 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     assert summary["first_minus_second_load_seconds"] == {
         "fp8-per-tensor": ours["first_seconds"] - ours["second_seconds"]
     }
-    for scheme in ("none", "fp8-per-tensor"):  # each reload over the floor copy of its own round (median)
+    for scheme in ("none", "fp8-per-tensor"):  # the best reload over the best floor copy of its own rounds
         for source in ("dir", "stream"):
-            row = rl[(scheme, source)]
-            paired = sorted(r / f for f, r in row["rounds"])
-            assert summary[f"reload_{source}_over_copy_floor"][scheme] == paired[len(paired) // 2]
-        stream = sorted(r / f for f, r in rl[(scheme, "stream")]["rounds"])
-        assert summary["met"][f"reload stream {scheme}"] == (stream[len(stream) // 2] <= 2.0)
+            floors, reloads = zip(*rl[(scheme, source)]["rounds"], strict=True)
+            assert summary[f"reload_{source}_over_copy_floor"][scheme] == min(reloads) / min(floors)
+        floors, reloads = zip(*rl[(scheme, "stream")]["rounds"], strict=True)
+        assert summary["met"][f"reload stream {scheme}"] == (min(reloads) / min(floors) <= 2.0)
     assert summary["peak_minus_final_over_largest_layer"] == {"fp8-per-tensor": ours["overhead_over_largest_layer"]}
     assert summary["met"]["peak fp8-per-tensor"] == (ours["overhead_over_largest_layer"] <= 1.0)
     assert summary["met"]["load fp8-per-tensor"] == (summary["load_over_floor"]["fp8-per-tensor"] <= 1.5)
