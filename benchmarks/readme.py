@@ -382,7 +382,12 @@ amax + scale + quantize on BF16 weights; GB/s counts the input bytes once, clone
         text += (
             "\n\nOn CPU the torch kernel runs the native kernels (`kernels/_cpu_fp8.c`, built by `pip install`: one "
             "vectorized pass for the amax, one for the quantization, on torch's OpenMP threads; bit-exact with the "
-            "reference)."
+            "reference)"
+            + (
+                ": here the quantization of BF16 with a scale from its own amax was a table lookup (AVX-512 VBMI)."
+                if qk.get("cpu_table_path")
+                else "."
+            )
             if native
             else "\n\nOn CPU every granularity ran the chunked eager reference (widen into a reused float32 buffer, "
             "divide in place, cast): the native kernels (`kernels/_cpu_fp8.c`) were not built."
