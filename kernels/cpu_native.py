@@ -177,7 +177,17 @@ def supports_batch(weights: list[list[tuple[int, torch.Tensor]]], outs: list[tor
     ):
         return False
     dtype = weights[0][0][1].dtype
-    return all(pieces and all(t.dtype == dtype and supports(t) for _, t in pieces) for pieces in weights)
+    if dtype not in DTYPE_CODES:
+        return False
+    # supports() per piece, its once-per-call checks hoisted: an MoE layer passes hundreds of pieces
+    return all(
+        pieces
+        and all(
+            t.dtype == dtype and _plain(t) and t.device.type == "cpu" and t.numel() > 0 and t.is_contiguous()
+            for _, t in pieces
+        )
+        for pieces in weights
+    )
 
 
 def _batch_table(

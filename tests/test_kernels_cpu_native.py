@@ -267,3 +267,24 @@ def test_copy_checked_of_float32_and_refusals():
     with pytest.raises(ValueError, match="cannot copy"):
         cpu_native.copy_checked(src, torch.empty(5))
     assert not cpu_native.supports_copy(src, torch.empty(12)[::2])  # not contiguous
+
+
+@native
+def test_a_batch_of_pieces_is_refused_unless_every_piece_is_a_plain_contiguous_cpu_tensor():
+    # the batch kernels read raw pointers: one unfit piece anywhere sends the whole batch to the per-weight path
+    def ok():
+        return torch.ones(4, 8, dtype=torch.bfloat16)
+
+    assert cpu_native.supports_batch([[(0, ok())], [(0, ok()[:2]), (16, ok()[2:])]])
+    unfit = {
+        "non-contiguous": torch.ones(8, 4, dtype=torch.bfloat16).t(),
+        "float16": torch.ones(4, 8, dtype=torch.float16),
+        "another dtype than the first": torch.ones(4, 8),
+        "empty": torch.ones(0, 8, dtype=torch.bfloat16),
+        "meta": torch.ones(4, 8, dtype=torch.bfloat16, device="meta"),
+    }
+    for what, t in unfit.items():
+        assert not cpu_native.supports_batch([[(0, ok())], [(0, t)]]), what
+        with pytest.raises(ValueError):
+            cpu_native.amax_batch([[(0, ok())], [(0, t)]], (4, 8), "tensor")
+    assert not cpu_native.supports_batch([[(0, torch.ones(4, 8))]] * 0) and not cpu_native.supports_batch([[]])
