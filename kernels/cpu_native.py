@@ -63,11 +63,7 @@ def supports(w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     return (
         _cpu_fp8 is not None
         and not torch.compiler.is_compiling()
-        and _plain(w)
-        and w.device.type == "cpu"
-        and w.dtype in DTYPE_CODES
-        and w.numel() > 0
-        and w.is_contiguous()
+        and _takes(w)
         and (
             out is None
             or (
@@ -79,6 +75,11 @@ def supports(w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
             )
         )
     )
+
+
+def _takes(t: torch.Tensor) -> bool:
+    """The per-tensor part of :func:`supports`: a plain contiguous non-empty bfloat16 or float32 CPU tensor."""
+    return _plain(t) and t.device.type == "cpu" and t.dtype in DTYPE_CODES and t.numel() > 0 and t.is_contiguous()
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -177,17 +178,8 @@ def supports_batch(weights: list[list[tuple[int, torch.Tensor]]], outs: list[tor
     ):
         return False
     dtype = weights[0][0][1].dtype
-    if dtype not in DTYPE_CODES:
-        return False
-    # supports() per piece, its once-per-call checks hoisted: an MoE layer passes hundreds of pieces
-    return all(
-        pieces
-        and all(
-            t.dtype == dtype and _plain(t) and t.device.type == "cpu" and t.numel() > 0 and t.is_contiguous()
-            for _, t in pieces
-        )
-        for pieces in weights
-    )
+    # supports() per piece without its once-per-call checks: an MoE layer passes hundreds of pieces
+    return all(pieces and all(t.dtype == dtype and _takes(t) for _, t in pieces) for pieces in weights)
 
 
 def _batch_table(
