@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import cpu_native, reference
+from layerwise.kernels import cpu_native, finite, reference
 from layerwise.kernels.reference import (
     BLOCK_SIZE,
     FP8_DTYPE,
@@ -42,7 +42,11 @@ def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
 
 def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
     """:func:`reference.scale_from_amax` (amax / 448, at least float32's tiny, 1.0 for 0), computed natively for a
-    float32 CPU tensor. Raises NonFiniteWeightError when any amax is NaN or Inf."""
+    float32 CPU tensor. Raises NonFiniteWeightError when any amax is NaN or Inf (inside
+    :func:`finite.deferred_finite_checks`: records the check instead, see :func:`require_finite`)."""
+    if finite.deferred_sink() is not None:
+        require_finite(amax_value, "tensor holds NaN or Inf (non-finite amax)")
+        return reference.scale_from_amax(amax_value, check=False)
     if amax_value.dtype == torch.float32 and cpu_native.supports(amax_value):
         return cpu_native.scale_from_amax(amax_value)
     return reference.scale_from_amax(amax_value)
@@ -53,6 +57,17 @@ def has_non_finite(t: torch.Tensor) -> bool:
     if cpu_native.supports(t):  # a bfloat16 or float32 CPU tensor
         return not bool(torch.isfinite(cpu_native.amax(t, "tensor")))
     return reference.has_non_finite(t)
+
+
+def require_finite(t: torch.Tensor, message: str) -> None:
+    """Raise NonFiniteWeightError(``message``) when ``t`` holds NaN or Inf. Inside
+    :func:`finite.deferred_finite_checks`, append :func:`reference.non_finite_flag` of ``t`` to its list instead:
+    no host read, nothing raised here."""
+    sink = finite.deferred_sink()
+    if sink is not None:
+        sink.append(reference.non_finite_flag(t))
+    elif has_non_finite(t):
+        raise NonFiniteWeightError(message)
 
 
 def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch") -> torch.Tensor:
@@ -72,8 +87,8 @@ def fp8_scale(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
-    if kernel != "triton" and cpu_native.supports(w):
-        return cpu_native.scale(w, granularity)
+    if kernel != "triton" and cpu_native.supports(w) and finite.deferred_sink() is None:
+        return cpu_native.scale(w, granularity)  # amax, check and scale in one native call
     return scale_from_amax(fp8_amax(w, granularity, kernel))
 
 
@@ -263,6 +278,7 @@ __all__ = [
     "KERNELS",
     "fp8_amax",
     "has_non_finite",
+    "require_finite",
     "fp8_quantize_pieces",
     "fp8_quantize_pieces_batch",
     "fp8_scale_pieces_batch",

@@ -34,17 +34,23 @@ GRANULARITIES = ("tensor", "channel", "block")
 CHUNK_NUMEL = 1 << 18
 
 
-def has_non_finite(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds NaN or +-Inf: the one finiteness check of the project.
+def non_finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on t's device, True where ``t`` holds NaN or +-Inf: the one finiteness test of the
+    project, computed without reading anything back to the host (no CUDA synchronization).
 
     float8_e4m3fn has only NaN (bits S.1111.111), tested on its bytes; wider floats go through
     ``aminmax`` in row chunks (one pass, no temporary the size of ``t``); other dtypes are finite.
     """
     if t.dtype == FP8_DTYPE:
-        return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+        return ((t.view(torch.uint8) & 0x7F) == 0x7F).any()
     if not t.is_floating_point() or t.numel() == 0:
-        return False
-    return not bool(torch.isfinite(amax(t)))
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return ~torch.isfinite(amax(t))
+
+
+def has_non_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds NaN or +-Inf: :func:`non_finite_flag` read on the host."""
+    return bool(non_finite_flag(t))
 
 
 def _row_chunks(n_rows: int, n_cols: int, align: int = 1):
@@ -168,19 +174,21 @@ def _amax_widened(w: torch.Tensor, granularity: str, out: torch.Tensor) -> torch
     return out
 
 
-def scale_from_amax(amax_value: torch.Tensor) -> torch.Tensor:
+def scale_from_amax(amax_value: torch.Tensor, check: bool = True) -> torch.Tensor:
     """e4m3 scale(s) from amax(es).
 
     Args:
         amax_value: float32 tensor of any shape, finite, >= 0.
+        check: raise for a NaN or Inf amax (a host read); False: the caller checks (a NaN amax then gives
+            a scale of 1.0, an Inf one an Inf scale).
     Returns:
         float32 tensor of the same shape: amax / 448; 1.0 where amax == 0 (an all-zero group);
         never below ``torch.finfo(float32).tiny``, so w / scale never divides by zero or a subnormal.
     Raises:
-        NonFiniteWeightError: when any amax is NaN or Inf (the tensor it came from holds one).
+        NonFiniteWeightError: with ``check``, when any amax is NaN or Inf (the tensor it came from holds one).
     """
     amax_value = amax_value.float()
-    if has_non_finite(amax_value):
+    if check and has_non_finite(amax_value):
         raise NonFiniteWeightError("tensor holds NaN or Inf (non-finite amax)")
     # A tensor divisor, not the Python number: CUDA's div turns division by a CPU scalar into a
     # multiplication by its reciprocal, which is 1 ulp off for some amaxes (seen on an H100).

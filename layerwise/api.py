@@ -328,7 +328,12 @@ def reload_weights(
             OSError of a truncated file: then ``cause``). Raised before the affected module's kernel tensors
             are touched; ``updated_modules`` lists the modules already overwritten (none when
             ``atomic``), every other module holds its previous values, and the model stays usable.
-            The original error is chained as ``__cause__`` and kept as ``cause``.
+            The original error is chained as ``__cause__`` and kept as ``cause``. One exception: a list or
+            tuple reloaded on CUDA is checked for NaN/Inf on the device, read once at the end (no host
+            synchronization per module; Limitations 12 in ``layerwise/reload/__init__.py``), so a non-finite
+            value is raised after the whole stream was written, the module holding it included, and
+            ``updated_modules`` lists them all (``atomic``: still nothing changed). Its tensors must not
+            change until the call returns.
     """
     start = time.perf_counter()
     try:
@@ -352,7 +357,7 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
         return ReloadReport(updated, time.perf_counter() - start, 0)
     session = None
     try:
-        with layerwise_session(model, atomic=atomic) as session:
+        with layerwise_session(model, atomic=atomic, defer_checks=_defers_checks(model, stream)) as session:
             stream_weights(model, stream, file_of)
     except ReloadError:
         raise  # finalize already restored the model and listed the updated modules
@@ -365,6 +370,16 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
             raise  # the session never started (another one is open on the model): nothing was touched
         raise ReloadError.wrap(e, session.updated_before_abort) from e
     return ReloadReport(list(session.processed), time.perf_counter() - start, session.peak_buffered_bytes)
+
+
+def _defers_checks(model: nn.Module, stream) -> bool:
+    """Whether a reload of ``stream`` checks NaN/Inf on the device and reads the results once, at its end, with
+    copies that do not wait (Limitations 12 in ``layerwise/reload/__init__.py``): on CUDA, for a list or tuple
+    (the caller holds its tensors until the call returns; an iterator may refill a buffer it handed out), and
+    without tensor parallelism (a NaN must fail every rank's amax reduction at once)."""
+    if not isinstance(stream, (list, tuple)) or getattr(model, "tp_group", None) is not None:
+        return False
+    return any(p.device.type == "cuda" for p in model.parameters())
 
 
 def model_digest(model: nn.Module) -> dict[str, str]:

@@ -14,17 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import has_non_finite
+from layerwise.kernels import require_finite
 from layerwise.quant.parameters import ModelWeightParameter, WeightLoader
 
 
 def check_finite(layer: nn.Module, skip: Sequence[str] = ()) -> None:
     """Raise NonFiniteWeightError naming the first parameter of ``layer`` (except ``skip``) holding
-    NaN/Inf (see :func:`layerwise.kernels.has_non_finite`)."""
+    NaN/Inf (:func:`layerwise.kernels.require_finite`: inside ``deferred_finite_checks`` recorded instead)."""
     for name, p in layer.named_parameters(recurse=False):
-        if name not in skip and has_non_finite(p):
-            raise NonFiniteWeightError(f"parameter {name!r} holds NaN or Inf")
+        if name not in skip:
+            require_finite(p, f"parameter {name!r} holds NaN or Inf")
 
 
 class QuantMethod:
@@ -87,7 +86,9 @@ class QuantMethod:
                 so only after every check that can raise, as that write is the reload's point of no return.
                 None on a first load and an atomic reload. Ignoring it is always correct.
         Raises:
-            NonFiniteWeightError: a weight holds NaN or Inf.
+            NonFiniteWeightError: a weight holds NaN or Inf (checked with ``check_finite`` / the kernels'
+                ``require_finite``; inside ``layerwise.kernels.finite.deferred_finite_checks`` the checks are
+                recorded instead, the method goes on, and its caller reports the write).
         """
         raise NotImplementedError
 

@@ -6,7 +6,9 @@ arguments), so no attribute is ever set on a plain ``nn.Parameter``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -14,6 +16,26 @@ from torch import nn
 from layerwise.errors import WeightShapeError
 
 WeightLoader = Callable[..., None]
+
+# Whether load_shard's host-to-device copies may return before the copy is done (see async_host_copies).
+_ASYNC_HOST_COPIES: ContextVar[bool] = ContextVar("layerwise_async_host_copies", default=False)
+
+
+@contextlib.contextmanager
+def async_host_copies(enabled: bool = True) -> Iterator[None]:
+    """Within the block, :meth:`ModelWeightParameter.load_shard` copies CPU tensors to the device with
+    ``non_blocking=True``: from pinned memory the call returns at once and the copy overlaps what the host does
+    next; from pageable memory CUDA stages the bytes before returning, as a blocking copy does.
+
+    Only for a caller that keeps every source tensor unchanged until it synchronizes the device (a reload from
+    a sequence the caller holds, ``layerwise.reload.session`` Limitations 12): a producer that refills a pinned
+    buffer after handing out a view of it would otherwise race the copy.
+    """
+    token = _ASYNC_HOST_COPIES.set(enabled)
+    try:
+        yield
+    finally:
+        _ASYNC_HOST_COPIES.reset(token)
 
 
 class ModelWeightParameter(nn.Parameter):
@@ -114,7 +136,8 @@ class ModelWeightParameter(nn.Parameter):
         if not isinstance(source, torch.Tensor):
             source = source.materialize()
         with torch.no_grad():
-            target.copy_(source)
+            # never into host memory: a device-to-host copy that returns early would be read before it is done
+            target.copy_(source, non_blocking=_ASYNC_HOST_COPIES.get() and target.device.type != "cpu")
 
 
 def default_weight_loader(param: ModelWeightParameter, loaded_weight: torch.Tensor, shard_id=None) -> None:

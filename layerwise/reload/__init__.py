@@ -68,6 +68,18 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    overwritten before its finiteness check: one that then fails the check is reported as updated
    (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the
    all-or-nothing behaviour.
+12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple on CUDA, without tensor
+   parallelism: ``api._defers_checks``) never reads a result back to the host while it streams, so the
+   GPU is not left idle while Python routes the next module: its NaN/Inf checks (``check_finite``, the
+   FP8 scale's amax) append a device flag instead of raising (``layerwise.kernels.finite``), its
+   host-to-device copies are ``non_blocking`` (``quant.parameters.async_host_copies``), and a buffered
+   load of a device tensor keeps the caller's tensor instead of a host copy (2). Finalize reads every
+   flag in one synchronization. The cost: a module holding NaN or Inf is processed and written like
+   the others, and so is every module after it; the error at finalize names each such module and the key
+   holding the value, and ``ReloadError.updated_modules`` lists every module written. ``atomic=True``
+   still changes nothing (the flags are read before the commit). The stream's tensors must stay
+   unchanged until the call returns: finalize and abort synchronize the device before returning.
+   Unit-wise modules (9) keep checking as they go.
 """
 
 from layerwise.reload.session import (

@@ -37,8 +37,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from layerwise.checkpoint import LazyTensor
 from layerwise.errors import DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError, ReloadError
 from layerwise.kernels import cpu_native, has_non_finite
+from layerwise.kernels.finite import deferred_finite_checks
 from layerwise.quant.base import check_finite
-from layerwise.quant.parameters import ModelWeightParameter
+from layerwise.quant.parameters import ModelWeightParameter, async_host_copies
 from layerwise.reload.counting import record_loader, written_numel
 from layerwise.reload.meta import (
     StagingBuffer,
@@ -50,6 +51,7 @@ from layerwise.reload.meta import (
 )
 from layerwise.reload.types import (
     BufferedLoad,
+    DeferredCheck,
     LayerReloadingInfo,
     ReloadSession,
     UnitState,
@@ -125,7 +127,7 @@ def record_metadata_for_reloading(model: nn.Module) -> None:
 
 
 def initialize_layerwise_reload(
-    model: nn.Module, device: torch.device | None = None, atomic: bool = False
+    model: nn.Module, device: torch.device | None = None, atomic: bool = False, defer_checks: bool = False
 ) -> ReloadSession:
     """Put every module in checkpoint format on meta and wrap its loaders with online_process_loader.
 
@@ -135,6 +137,10 @@ def initialize_layerwise_reload(
         atomic: stage processed modules and write them into the kernel tensors only at finalize
             (costs, on the device, the processed size of every module in the stream: up to the
             whole model's kernel-tensor bytes for a full reload).
+        defer_checks: check NaN/Inf on the device and read the results once, at finalize, and let
+            host-to-device copies run ahead (no host synchronization per module on CUDA; Limitations 12).
+            Only for a stream whose tensors the caller keeps unchanged until finalize or abort returns
+            (a sequence it holds), and never with a cross-rank amax reduction (tensor parallelism).
     Returns:
         the session.
     Raises:
@@ -157,7 +163,9 @@ def initialize_layerwise_reload(
     if device is None:
         raise RuntimeError("device is required when loading a model that is still on the meta device")
     device = torch.device(device)
-    session = ReloadSession(device=device, modules=modules, first_load=first_load, atomic=atomic)
+    session = ReloadSession(
+        device=device, modules=modules, first_load=first_load, atomic=atomic, defer_checks=defer_checks
+    )
     if device.type == "cpu":
         # a reload keeps its buffer on the model for the next one (Limitations 8); a first load does not
         kept = model.__dict__.get(_STAGING_ATTR)
@@ -200,7 +208,9 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
             return
         numel = written_numel(writes)
         completes = info.load_numel + numel >= info.load_numel_total
-        if not completes and loaded_weight.device.type != "cpu":  # Limitations 2: buffers stay on CPU
+        # Limitations 2: buffers stay on CPU; a session that defers its checks holds the caller's own tensor
+        # (kept by the caller anyway, and a copy to the host would synchronize: Limitations 12)
+        if not completes and loaded_weight.device.type != "cpu" and not session.defer_checks:
             loaded_weight = loaded_weight.to("cpu")
         info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at))
         info.writes[param_name].extend(writes)
@@ -479,6 +489,44 @@ def _find_non_finite_key(loads: list[BufferedLoad]) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _deferral(session: ReloadSession, flags: list[torch.Tensor]) -> Iterator[None]:
+    """With ``session.defer_checks``: finiteness checks recorded into ``flags`` and host-to-device copies that do
+    not wait, for the block (Limitations 12); otherwise nothing."""
+    if not session.defer_checks:
+        yield
+        return
+    with deferred_finite_checks(flags), async_host_copies():
+        yield
+
+
+def _drain(session: ReloadSession) -> None:
+    """Wait for the device work a session that defers its checks may have left queued (copies from the caller's
+    tensors among it): after this the caller may reuse those tensors."""
+    if session.defer_checks and session.device.type == "cuda":
+        torch.cuda.synchronize(session.device)
+
+
+def _read_deferred(session: ReloadSession) -> None:
+    """Read every deferred check in one host synchronization (Limitations 12).
+
+    Raises:
+        NonFiniteWeightError: a processed module held NaN or Inf; names every such module, and the key of the
+            first one's tensor that holds it. Those modules were written like the others.
+    """
+    checks, session.deferred = session.deferred, []
+    _drain(session)
+    if not checks:
+        return
+    failed = [c for c, bad in zip(checks, torch.stack([c.flag for c in checks]).tolist(), strict=True) if bad]
+    if failed:
+        raise NonFiniteWeightError(
+            f"non-finite value (NaN or Inf) in a weight of {', '.join(c.prefix for c in failed)}, found at the "
+            f"end of the stream: {'these modules were' if len(failed) > 1 else 'the module was'} written with it",
+            key=_find_non_finite_key(failed[0].loads),
+        )
+
+
 def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None) -> None:
     """Materialize -> replay -> process_weights_after_loading -> commit or stage (``key``: the
     checkpoint key whose load completed the module, named by coverage errors)."""
@@ -506,31 +554,38 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         materialize_layer(module, info, session.device, staging, keep_on_meta=skip)
     nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
-    for buffered in info.loaded_weights if finite is None else ():
-        if pieces is not None and buffered.param_name == "weight":
-            continue
-        info.weight_loaders[buffered.param_name](
-            module._parameters[buffered.param_name], buffered.loaded_weight, buffered.shard_id
-        )
-    try:
-        if finite is not None:  # copied and checked in one pass: what processing would check is known
-            if not finite:
-                raise NonFiniteWeightError("a parameter holds NaN or Inf")
-        elif pieces is not None:
-            quant_method.process_weights_after_loading(module, into=live, weight_pieces=pieces)
-        elif quant_method is not None:
-            quant_method.process_weights_after_loading(module, into=live)
-        else:
-            check_finite(module)
-    except NonFiniteWeightError as e:  # raised before a quant method writes ``into`` the live tensors
-        restore_layer_on_meta(module, info)
-        raise NonFiniteWeightError(
-            f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
-            key=_find_non_finite_key(info.loaded_weights),
-        ) from e
-    except BaseException:  # anything else may come after a write into the live tensors: reported as updated
-        info.in_place = info.in_place or live is not None
-        raise
+    flags: list[torch.Tensor] = []  # with defer_checks: what the checks found, read at finalize (Limitations 12)
+    with _deferral(session, flags):
+        for buffered in info.loaded_weights if finite is None else ():
+            if pieces is not None and buffered.param_name == "weight":
+                continue
+            info.weight_loaders[buffered.param_name](
+                module._parameters[buffered.param_name], buffered.loaded_weight, buffered.shard_id
+            )
+        try:
+            if finite is not None:  # copied and checked in one pass: what processing would check is known
+                if not finite and session.defer_checks:
+                    flags.append(torch.ones((), dtype=torch.bool))
+                elif not finite:
+                    raise NonFiniteWeightError("a parameter holds NaN or Inf")
+            elif pieces is not None:
+                quant_method.process_weights_after_loading(module, into=live, weight_pieces=pieces)
+            elif quant_method is not None:
+                quant_method.process_weights_after_loading(module, into=live)
+            else:
+                check_finite(module)
+        except NonFiniteWeightError as e:  # raised before a quant method writes ``into`` the live tensors
+            restore_layer_on_meta(module, info)
+            raise NonFiniteWeightError(
+                f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
+                key=_find_non_finite_key(info.loaded_weights),
+            ) from e
+        except BaseException:  # anything else may come after a write into the live tensors: reported as updated
+            info.in_place = info.in_place or live is not None
+            raise
+    if flags:
+        flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+        session.deferred.append(DeferredCheck(info.prefix, flag, info.loaded_weights))
     if live is not None:  # copied into the kernel tensors: nothing keeps the buffer
         processed = layer_tensors(module)
         _check_kernel_format(info, processed)
@@ -709,6 +764,7 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     session = _end_session(model)
     if session is None:
         return []
+    _drain(session)  # the caller may reuse its stream's tensors once the error reaches it
     updated = list(session.committed)  # closed by a finalize that then failed
     for prefix, module in session.modules.items():
         info = get_layerwise_info(module)
@@ -732,7 +788,8 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
             a reload the model is left usable (see :func:`abort_layerwise_reload`) and the error is
             a ReloadError subclass instance listing ``updated_modules``.
         NonFiniteWeightError: a unit still queued at finalize (a partial reload, Limitations 9) holds NaN
-            or Inf; the session is then left open: :func:`layerwise_session` aborts it.
+            or Inf, or a check deferred to finalize failed (``defer_checks``, Limitations 12); the session is
+            then left open: :func:`layerwise_session` aborts it.
     """
     session = _session(model)
     if session is None:
@@ -741,6 +798,7 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         info = get_layerwise_info(module)
         if info.pending_units:
             _process_pending_units(module, info)
+    _read_deferred(session)  # raises for a NaN or Inf found on the device: the session is left to abort
     problems = []
     for module in session.modules.values():
         info = get_layerwise_info(module)
@@ -774,7 +832,7 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
 
 @contextlib.contextmanager
 def layerwise_session(
-    model: nn.Module, *, device: torch.device | None = None, atomic: bool = False
+    model: nn.Module, *, device: torch.device | None = None, atomic: bool = False, defer_checks: bool = False
 ) -> Iterator[ReloadSession]:
     """initialize -> (the caller streams weights) -> finalize, or abort on any error.
 
@@ -786,7 +844,7 @@ def layerwise_session(
     Raises:
         RuntimeError: a session is already open on ``model`` (see initialize_layerwise_reload).
     """
-    session = initialize_layerwise_reload(model, device=device, atomic=atomic)
+    session = initialize_layerwise_reload(model, device=device, atomic=atomic, defer_checks=defer_checks)
     try:
         yield session
     except BaseException:

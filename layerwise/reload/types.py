@@ -117,6 +117,23 @@ class LayerReloadingInfo:
 
 
 @dataclass
+class DeferredCheck:
+    """The finiteness checks of one processed module, made on the device and read at finalize (a session with
+    ``defer_checks``, Limitations 12).
+
+    Attributes:
+        prefix: the module.
+        flag: 0-d bool tensor on the session's device, True when a checked tensor held NaN or Inf.
+        loads: the module's buffered loads (the stream's own tensors, which the caller holds anyway), read
+            again only to name the key holding the NaN or Inf.
+    """
+
+    prefix: str
+    flag: torch.Tensor
+    loads: list[BufferedLoad]
+
+
+@dataclass
 class ReloadSession:
     """State of one load or reload of a whole model (between initialize and finalize).
 
@@ -138,6 +155,9 @@ class ReloadSession:
         unit_bytes: module prefix -> the most checkpoint-format bytes materialized at once on the device
             for it: the whole module, or, for a unit-wise module, its largest processing unit (one
             expert's w13). The session's transient device memory is about the largest of these.
+        defer_checks: finiteness checks are made on the device and read once, at finalize; host-to-device
+            copies do not wait (Limitations 12).
+        deferred: the checks of the modules processed so far, with ``defer_checks``.
     """
 
     device: torch.device
@@ -151,6 +171,8 @@ class ReloadSession:
     unit_bytes: dict[str, int] = field(default_factory=dict)
     committed: list[str] = field(default_factory=list)
     staging: Any = None  # a layerwise.reload.meta.StagingBuffer on CPU (reused module memory), else None
+    defer_checks: bool = False
+    deferred: list[DeferredCheck] = field(default_factory=list)
 
 
 def intervals_of_view(offset: int, sizes: tuple, strides: tuple) -> tuple[np.ndarray, int]:
