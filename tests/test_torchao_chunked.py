@@ -367,3 +367,15 @@ def test_pieces_of_a_layout_not_verified_for_their_dtype_are_assembled(calls):
     method.process_weights_after_loading(layer, weight_pieces=_row_pieces(weight(n, seed=1).float(), [100]))
     assert calls == [32]  # verified now, through quantize_'s first chunk
     assert_same_bytes(layer.weight.data, reference(weight(n, seed=1).float(), tq.Float8WeightOnlyConfig()))
+
+
+def test_chunk_rows_default_per_device():
+    """64-row chunks on the CPU (1 MiB of float32 temporaries); on a GPU, where each chunk costs launches and
+    Python, the N / 8 rows bound decides: 8 chunks for Llama-3-8B's gate_up_proj [28672, 4096], not 448."""
+    method = TorchaoLinearMethod("Float8WeightOnlyConfig")
+    assert method._chunk_rows(28672, 4096, torch.device("cpu")) == 64
+    assert method._chunk_rows(28672, 4096, torch.device("cuda")) == 28672 // 8
+    assert method._chunk_rows(6144, 4096, torch.device("cuda")) == 6144 // 8
+    explicit = TorchaoLinearMethod("Float8WeightOnlyConfig", chunk_numel=CHUNK_NUMEL)
+    assert explicit._chunk_rows(28672, K, torch.device("cuda")) == explicit._chunk_rows(28672, K, torch.device("cpu"))
+    assert explicit._chunk_rows(28672, K, torch.device("cpu")) == 32
