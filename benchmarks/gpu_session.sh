@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One GPU session's checks, in parts that each fit a 10-minute device call; logs and JSON go under $OUT.
+#
+#   bash benchmarks/gpu_session.sh tests    # CUDA tests (-m gpu) + the demo on cuda           (~5 min)
+#   bash benchmarks/gpu_session.sh suite    # the 8b suite: peak memory, reload, decode step   (~8 min)
+#   bash benchmarks/gpu_session.sh moe      # MoE load + the 8b reload alone (quicker re-check) (~5 min)
+#
+# Run from the repository root. A torchao wheel in .whl/ (`pip download torchao==0.17.0 --no-deps -d .whl`)
+# is installed first where torchao is missing. Afterwards, on the development machine: copy the JSON into
+# benchmarks/results/, commit it, then `python -m layerwise.benchmarks.readme` and commit README.md.
+set -uo pipefail
+part=${1:?usage: gpu_session.sh tests|suite|moe}
+OUT=${OUT:-/tmp/lw-gpu}
+mkdir -p "$OUT"
+if ! python3 -c "import torchao" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+{ nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; } \
+  >"$OUT/device.txt" 2>&1
+case "$part" in
+  tests)
+    timeout 420 python3 -m pytest -m gpu tests -q -rfE -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?"; tail -n 25 "$OUT/gpu_tests.log"
+    timeout 120 python3 -m layerwise.cli demo --device cuda >"$OUT/demo_cuda.log" 2>&1
+    echo "demo exit $?"; tail -n 8 "$OUT/demo_cuda.log"
+    ;;
+  suite)
+    timeout 560 python3 -m layerwise.benchmarks.suite --device cuda --size 8b --budget 500 \
+      --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/suite.log" 2>&1
+    echo "suite exit $?"; tail -n 40 "$OUT/suite.log"
+    ;;
+  moe)
+    timeout 240 python3 -m layerwise.benchmarks.moe_load --device cuda --out-dir "$OUT/results" >"$OUT/moe.log" 2>&1
+    echo "moe exit $?"; tail -n 15 "$OUT/moe.log"
+    timeout 300 python3 -m layerwise.benchmarks.reload_latency --device cuda --size 8b --repeats 3 \
+      --out-dir "$OUT/reload" --cache-dir /tmp/lw-bench >"$OUT/reload.log" 2>&1
+    echo "reload exit $?"; tail -n 20 "$OUT/reload.log"
+    ;;
+  *)
+    echo "unknown part $part (tests|suite|moe)" >&2
+    exit 2
+    ;;
+esac
