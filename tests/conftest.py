@@ -24,3 +24,13 @@ def qwen3_8_layers(tmp_path_factory):
         vocab=256,
         max_shard_size="200KB",
     )
+
+
+@pytest.fixture(scope="session")
+def qwen3_pair(tmp_path_factory):
+    """Two 3-layer Qwen3 checkpoints of the same shapes and different values (seeds 0 and 1): load A, reload B."""
+    root = tmp_path_factory.mktemp("qwen3-pair")
+    return (
+        write_hf_checkpoint(root / "a", "Qwen3ForCausalLM", seed=0, num_layers=3),
+        write_hf_checkpoint(root / "b", "Qwen3ForCausalLM", seed=1, num_layers=3),
+    )

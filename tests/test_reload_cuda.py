@@ -12,20 +12,15 @@ import layerwise.api as api
 from layerwise.checkpoint import Checkpoint
 from layerwise.reload.session import layerwise_session
 from layerwise.routing import stream_weights
-from tests.hf_checkpoints import write_hf_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SCHEMES = [None, "fp8-per-tensor", "fp8-per-channel", "fp8-per-block"]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reload-cuda")
-    return (
-        write_hf_checkpoint(root / "a", "Qwen3ForCausalLM", seed=0, num_layers=3),
-        write_hf_checkpoint(root / "b", "Qwen3ForCausalLM", seed=1, num_layers=3),
-    )
+@pytest.fixture
+def pair(qwen3_pair):
+    return qwen3_pair
 
 
 def _pinned(path, nan_key=None):

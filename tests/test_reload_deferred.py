@@ -17,20 +17,15 @@ from layerwise.api import model_digest
 from layerwise.checkpoint import Checkpoint
 from layerwise.kernels import cpu_native
 from layerwise.quant.parameters import ModelWeightParameter, async_host_copies, default_weight_loader
-from tests.hf_checkpoints import write_hf_checkpoint
 
 SCHEMES = [None, "fp8-per-tensor", "fp8-per-channel", "fp8-per-block"]
 NAN_KEY = "model.layers.1.mlp.up_proj.weight"
 NAN_MODULE = "model.layers.1.mlp.gate_up_proj"
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deferred")
-    return (
-        write_hf_checkpoint(root / "a", "Qwen3ForCausalLM", seed=0, num_layers=3),
-        write_hf_checkpoint(root / "b", "Qwen3ForCausalLM", seed=1, num_layers=3),
-    )
+@pytest.fixture
+def pair(qwen3_pair):
+    return qwen3_pair
 
 
 @pytest.fixture

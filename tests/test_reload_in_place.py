@@ -8,16 +8,11 @@ import layerwise
 from layerwise.api import model_digest
 from layerwise.kernels import cpu_native
 from layerwise.reload import staging_bytes
-from tests.hf_checkpoints import write_hf_checkpoint
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("in-place")
-    return (
-        write_hf_checkpoint(root / "a", "Qwen3ForCausalLM", seed=0, num_layers=3),
-        write_hf_checkpoint(root / "b", "Qwen3ForCausalLM", seed=1, num_layers=3),
-    )
+@pytest.fixture
+def pair(qwen3_pair):
+    return qwen3_pair
 
 
 def _bytes(t):
