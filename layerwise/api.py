@@ -308,7 +308,8 @@ def reload_weights(
             every rank calls reload_weights with the same full (unsharded) weights; each rank reads or keeps
             only its own slices.
         weights: a checkpoint directory, or any iterable of (name, tensor). Tensors may live on any
-            device; those waiting for the rest of their module are kept on the CPU.
+            device; those waiting for the rest of their module are kept on the CPU (a list or tuple on
+            CUDA: the caller's own tensors are kept, Limitations 12).
         is_checkpoint_format: True: Hugging Face names and dtype (e.g. BF16); each complete module
             is re-quantized and copied into its kernel tensors. Modules absent from the stream are
             left unchanged (partial updates). False: the model's own parameter names
@@ -364,11 +365,13 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
     except LayerwiseError as e:
         if e.key and file_of is not None:  # raised at finalize (a queued unit's NaN), past stream_weights' context
             e.add_context(file=file_of(e.key))
-        raise ReloadError.wrap(e, session.updated_before_abort if session else []) from e
+        if session is None:
+            raise ReloadError.wrap(e, []) from e
+        raise ReloadError.wrap(e, session.updated_before_abort, non_finite_modules=session.non_finite_modules) from e
     except Exception as e:  # an I/O or torch error midway: the session was aborted; name what it overwrote
         if session is None:
             raise  # the session never started (another one is open on the model): nothing was touched
-        raise ReloadError.wrap(e, session.updated_before_abort) from e
+        raise ReloadError.wrap(e, session.updated_before_abort, non_finite_modules=session.non_finite_modules) from e
     return ReloadReport(list(session.processed), time.perf_counter() - start, session.peak_buffered_bytes)
 
 

@@ -63,26 +63,39 @@ class DuplicateWeightError(LayerwiseError):
 class ReloadError(LayerwiseError):
     """A reload or weight update failed. ``updated_modules`` lists the modules whose kernel tensors
     were already overwritten with new values (empty for an atomic reload, which changed nothing);
-    ``cause`` is the underlying error (UnexpectedWeightError, WeightShapeError, ..., or an OSError or
-    RuntimeError raised midway), when there is one."""
+    ``non_finite_modules`` those of them written with NaN or Inf by a reload that checks on the device
+    and reads the results at its end (``layerwise/reload`` Limitations 12) when another error ended it
+    first; ``cause`` is the underlying error (UnexpectedWeightError, WeightShapeError, ..., or an OSError
+    or RuntimeError raised midway), when there is one."""
 
-    def __init__(self, message: str, updated_modules=(), key=None, file=None):
+    def __init__(self, message: str, updated_modules=(), key=None, file=None, non_finite_modules=()):
         super().__init__(message, key=key, file=file)
         self.updated_modules = list(updated_modules)
+        self.non_finite_modules = list(non_finite_modules)
         self.cause: Exception | None = None
 
     @classmethod
-    def wrap(cls, cause: Exception, updated_modules: list, action: str = "reload") -> ReloadError:
-        """A ReloadError for ``cause`` after the session was aborted, naming what was already updated;
-        raise it ``from cause``. ``cause`` is a LayerwiseError, or any other Exception the stream or torch
-        raised midway (an OSError of a truncated file, a RuntimeError): either way the caller learns
-        which modules hold new values."""
+    def wrap(
+        cls, cause: Exception, updated_modules: list, action: str = "reload", non_finite_modules: list = ()
+    ) -> ReloadError:
+        """A ReloadError for ``cause`` after the session was aborted, naming what was already updated (and
+        written with NaN or Inf); raise it ``from cause``. ``cause`` is a LayerwiseError, or any other Exception
+        the stream or torch raised midway (an OSError of a truncated file, a RuntimeError): either way the
+        caller learns which modules hold new values."""
         note = f"modules already updated: {updated_modules}" if updated_modules else "no module was changed"
+        if non_finite_modules:
+            note += f"; written with NaN or Inf: {list(non_finite_modules)}"
         if isinstance(cause, LayerwiseError):
             message, key, file = cause.message, cause.key, cause.file
         else:
             message, key, file = f"{type(cause).__name__}: {cause}", None, None
-        err = cls(f"{action} failed: {message}; {note}", updated_modules=updated_modules, key=key, file=file)
+        err = cls(
+            f"{action} failed: {message}; {note}",
+            updated_modules=updated_modules,
+            key=key,
+            file=file,
+            non_finite_modules=non_finite_modules,
+        )
         err.cause = cause
         return err
 

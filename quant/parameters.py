@@ -23,9 +23,9 @@ _ASYNC_HOST_COPIES: ContextVar[bool] = ContextVar("layerwise_async_host_copies",
 
 @contextlib.contextmanager
 def async_host_copies(enabled: bool = True) -> Iterator[None]:
-    """Within the block, :meth:`ModelWeightParameter.load_shard` copies CPU tensors to the device with
-    ``non_blocking=True``: from pinned memory the call returns at once and the copy overlaps what the host does
-    next; from pageable memory CUDA stages the bytes before returning, as a blocking copy does.
+    """Within the block, :meth:`ModelWeightParameter.load_shard` copies pinned CPU tensors to the device in their
+    own dtype with ``non_blocking=True`` (:func:`_may_return_early`): the call returns at once and the copy
+    overlaps what the host does next. Other copies block as before.
 
     Only for a caller that keeps every source tensor unchanged until it synchronizes the device (a reload from
     a sequence the caller holds, ``layerwise.reload.session`` Limitations 12): a producer that refills a pinned
@@ -136,8 +136,20 @@ class ModelWeightParameter(nn.Parameter):
         if not isinstance(source, torch.Tensor):
             source = source.materialize()
         with torch.no_grad():
-            # never into host memory: a device-to-host copy that returns early would be read before it is done
-            target.copy_(source, non_blocking=_ASYNC_HOST_COPIES.get() and target.device.type != "cpu")
+            target.copy_(source, non_blocking=_ASYNC_HOST_COPIES.get() and _may_return_early(source, target))
+
+
+def _may_return_early(source: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether ``target.copy_(source, non_blocking=True)`` gains anything and costs nothing: a pinned host tensor
+    copied into device memory in its own dtype. Never into host memory (a copy that returns early would be read
+    before it is done); not across dtypes (the conversion would then run on the device, on a temporary of the
+    source's size in device memory); not from pageable memory (CUDA stages it before returning anyway)."""
+    return (
+        source.device.type == "cpu"
+        and target.device.type != "cpu"
+        and source.dtype == target.dtype
+        and source.is_pinned()
+    )
 
 
 def default_weight_loader(param: ModelWeightParameter, loaded_weight: torch.Tensor, shard_id=None) -> None:

@@ -38,7 +38,8 @@ Limitations (the code points back to them):
 4. A per-tensor ``Float8Tensor`` (torch kernel) is computed here in two passes: max|w| over the whole
    weight (``torch.aminmax``, no temporary), then the quantization in row chunks. The arithmetic is first
    checked byte for byte against torchao's result for the first chunk alone (its own per-tensor scale);
-   a difference sends the weight to ``quantize_`` whole.
+   a difference sends the weight to ``quantize_`` whole. As in 3, the check is made once per process for each
+   config, chunk shape, dtype and device (``_VERIFIED_PER_TENSOR``).
 5. A weight whose shape was verified (3) as a per-row float8_e4m3fn ``Float8Tensor`` and whose loads are verbatim
    copies of whole rows (``layerwise/reload`` Limitations 10) is quantized from the loaded tensors themselves
    on the native CPU kernels, with no BF16 copy: every row scale first (the NaN/Inf check), then the bytes, on a
@@ -70,9 +71,11 @@ ROW_ALIGN = 16
 #: default elements per row chunk on the CPU (torchao makes a few float32 copies of a chunk: 1 MiB each)
 DEFAULT_CHUNK_NUMEL = 1 << 18
 #: default elements per row chunk on other devices (a GPU): each chunk costs ~10 kernel launches and its Python,
-#: so 64-row chunks of an 8B model's weights (21.5k chunks) cost seconds there; with this budget the N / 8 rows
-#: bound decides (8 chunks a weight), and the float32 temporaries (1/8 of a weight's elements, 58.7 MB for
-#: Llama-3-8B's gate_up_proj) stay below the BF16 module the session materializes
+#: and CPU-sized chunks cut an 8B model's weights into 27.6k (64 rows, 16 for down_proj's K = 14336; the H100
+#: reload with them took 5.1 s against a 0.29 s copy floor, not yet re-measured). With this budget the N / 8 rows
+#: bound decides (8 chunks a weight); the local float32 work buffer is 1/8 of a weight's elements (58.7 MB for
+#: Llama-3-8B's gate_up_proj; torchao's own quantize_ of a chunk makes a few of that size), below the BF16
+#: module the session materializes
 DEVICE_CHUNK_NUMEL = 1 << 24
 
 
@@ -172,6 +175,10 @@ def _int8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> Non
 #: past the rows, dtype))]) of chunks whose local arithmetic matched torchao's bytes (Limitations 3). Holds
 #: no tensor and no model; cleared when it reaches 256 entries.
 _VERIFIED: dict = {}
+
+#: the same key -> (layout, qdata dtype, scale shape, scale dtype) of per-tensor float8 weights whose local
+#: arithmetic matched torchao's bytes (Limitations 4). Holds no tensor and no model; cleared at 256 entries.
+_VERIFIED_PER_TENSOR: dict = {}
 
 #: torchao tensor type -> (inner tensor names, this module's arithmetic for its chunks) (Limitations 3)
 _LOCAL_ROWS = {
@@ -287,6 +294,9 @@ class TorchaoLinearMethod(QuantMethod):
         if n <= rows:
             return self._quantize(weight)
         key = (repr(self.config), rows, n % rows, k, weight.dtype, weight.device)
+        per_tensor = _VERIFIED_PER_TENSOR.get(key)
+        if per_tensor is not None:  # Limitations 4: this shape was quantized locally and checked before
+            return self._float8_per_tensor_local(weight, rows, per_tensor)
         verified = _VERIFIED.get(key)
         if verified is not None:  # Limitations 3: this shape was quantized locally and checked before
             (cls, names, ctx), tails = verified
@@ -300,7 +310,7 @@ class TorchaoLinearMethod(QuantMethod):
         if layout is None:  # plain, per-tensor, or a type not known to be row-local
             per_tensor = _per_tensor_float8_layout(first, weight.device)
             if per_tensor is not None:
-                quantized = self._float8_per_tensor(weight, rows, first, per_tensor)
+                quantized = self._float8_per_tensor(weight, rows, first, per_tensor, key)
                 if quantized is not None:
                     return quantized
             del first
@@ -336,10 +346,10 @@ class TorchaoLinearMethod(QuantMethod):
             del part
         return cls.__tensor_unflatten__(inner, ctx, weight.shape, weight.stride())
 
-    def _float8_per_tensor(self, weight: torch.Tensor, rows: int, first: torch.Tensor, layout):
+    def _float8_per_tensor(self, weight: torch.Tensor, rows: int, first: torch.Tensor, layout, key: tuple):
         """The per-tensor Float8Tensor of ``weight`` computed locally in two passes (Limitations 4), or None where
         torchao would treat a shorter last chunk differently (Limitations 2) or the local bytes of ``first``'s
-        rows differ from torchao's ``first``."""
+        rows differ from torchao's ``first``. A match is remembered under ``key`` for later weights."""
         n, k = weight.shape
         if (
             n % rows
@@ -347,7 +357,6 @@ class TorchaoLinearMethod(QuantMethod):
             != layout
         ):
             return None
-        cls, _, ctx = layout
         work = torch.empty(rows * k, dtype=torch.float32, device=weight.device)
         qdata, scale = torch.empty_like(first.qdata), torch.empty_like(first.scale)
         _float8_per_tensor(weight[:rows], qdata, scale, work)  # the arithmetic, checked on the first chunk alone
@@ -355,8 +364,23 @@ class TorchaoLinearMethod(QuantMethod):
             if not torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)):
                 logger.warning("%s: the local per-tensor float8 differs from torchao's; quantize_ whole", self.name)
                 return None
-        inner = {"qdata": first.qdata.new_empty((n, k)), "scale": torch.empty_like(first.scale)}
-        del first, qdata, scale
+        spec = (layout, first.qdata.dtype, tuple(first.scale.shape), first.scale.dtype)
+        del first, qdata, scale, work
+        if len(_VERIFIED_PER_TENSOR) >= 256:
+            _VERIFIED_PER_TENSOR.clear()
+        _VERIFIED_PER_TENSOR[key] = spec
+        return self._float8_per_tensor_local(weight, rows, spec)
+
+    def _float8_per_tensor_local(self, weight: torch.Tensor, rows: int, spec) -> torch.Tensor:
+        """The per-tensor Float8Tensor of ``weight`` by this module's arithmetic (Limitations 4), for a ``spec``
+        (layout, qdata dtype, scale shape, scale dtype) checked against torchao's bytes."""
+        (cls, _, ctx), qdata_dtype, scale_shape, scale_dtype = spec
+        n, k = weight.shape
+        work = torch.empty(rows * k, dtype=torch.float32, device=weight.device)
+        inner = {
+            "qdata": torch.empty((n, k), dtype=qdata_dtype, device=weight.device),
+            "scale": torch.empty(scale_shape, dtype=scale_dtype, device=weight.device),
+        }
         _float8_per_tensor(weight, inner["qdata"], inner["scale"], work)
         return self._unflatten(cls, inner, dict(ctx, block_size=[n, k]), weight)
 

@@ -63,7 +63,7 @@ def test_nan_in_a_pinned_list_is_raised_at_the_end_naming_its_key(pair, scheme):
     model = layerwise.load_model(a, quantization=scheme, device="cuda")
     with pytest.raises(layerwise.ReloadError) as e:
         layerwise.reload_weights(model, _pinned(b, key))
-    assert isinstance(e.value.cause, layerwise.NonFiniteWeightError) and e.value.key == key
+    assert isinstance(e.value, layerwise.NonFiniteWeightError) and e.value.key == key
     assert "found at the end of the stream" in str(e.value)
     assert "model.layers.2.mlp.down_proj" in e.value.updated_modules  # written after the NaN module
 

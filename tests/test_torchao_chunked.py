@@ -64,8 +64,10 @@ def _assert_same_inner(got, want) -> None:
 
 @pytest.fixture(autouse=True)
 def nothing_verified(monkeypatch):
-    """Each test starts with no chunk shape verified (Limitations 3), so the first chunk goes through torchao."""
+    """Each test starts with no chunk shape verified (Limitations 3 and 4), so the first chunk goes through
+    torchao."""
     monkeypatch.setattr(quant_torchao, "_VERIFIED", {})
+    monkeypatch.setattr(quant_torchao, "_VERIFIED_PER_TENSOR", {})
 
 
 @pytest.fixture
@@ -167,6 +169,12 @@ def test_per_tensor_scales_are_computed_in_two_passes(n, calls):
     got = TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
     assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig(granularity=tq.PerTensor())))
     assert got.scale.numel() == 1 and calls == [32] + ([n % 32] if n % 32 else [])
+    # a later weight of the shape: verified once per process, so torchao is not called again (no host read)
+    calls.clear()
+    w = weight(n, seed=1)
+    got = TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)
+    assert_same_bytes(got, reference(w, tq.Float8WeightOnlyConfig(granularity=tq.PerTensor())))
+    assert calls == []
     w[n - 3, 5] = float("inf")
     with pytest.raises(NonFiniteWeightError):
         TorchaoLinearMethod(config, chunk_numel=CHUNK_NUMEL).quantize_rows(w)

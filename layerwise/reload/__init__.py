@@ -69,17 +69,21 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the
    all-or-nothing behaviour.
 12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple on CUDA, without tensor
-   parallelism: ``api._defers_checks``) never reads a result back to the host while it streams, so the
-   GPU is not left idle while Python routes the next module: its NaN/Inf checks (``check_finite``, the
-   FP8 scale's amax) append a device flag instead of raising (``layerwise.kernels.finite``), its
-   host-to-device copies are ``non_blocking`` (``quant.parameters.async_host_copies``), and a buffered
-   load of a device tensor keeps the caller's tensor instead of a host copy (2). Finalize reads every
-   flag in one synchronization. The cost: a module holding NaN or Inf is processed and written like
-   the others, and so is every module after it; the error at finalize names each such module and the key
-   holding the value, and ``ReloadError.updated_modules`` lists every module written. ``atomic=True``
-   still changes nothing (the flags are read before the commit). The stream's tensors must stay
-   unchanged until the call returns: finalize and abort synchronize the device before returning.
-   Unit-wise modules (9) keep checking as they go.
+   parallelism: ``api._defers_checks``) makes no host read of its own while it streams dense modules
+   (BF16, FP8, and torchao weights of a shape already checked against torchao's bytes), so the GPU is
+   not left idle while Python routes the next module: its NaN/Inf checks (``check_finite``, the FP8
+   scale's amax) append a device flag instead of raising (``layerwise.kernels.finite``), its copies of
+   pinned host tensors in their own dtype return at once (``quant.parameters.async_host_copies``; a
+   pageable source still holds the host for its copy), and a buffered load of a device tensor keeps the
+   caller's tensor instead of a host copy (2). The session's CUDA device is made current for the stream
+   (Triton launches on the current device). Finalize waits for the device and reads every flag at once.
+   The cost: a module holding NaN or Inf is processed and written like the others, and so is every
+   module after it; finalize then aborts and raises an error naming each such module and the key
+   holding the value, whose ``updated_modules`` lists every module written. ``atomic=True`` still
+   changes nothing (the flags are read before the commit). Another error that ends the stream first is
+   raised as before, with the NaN modules already written in ``ReloadError.non_finite_modules``. The
+   stream's tensors must stay unchanged until the call returns: finalize and abort wait for the device
+   before returning. Unit-wise modules (9) keep checking as they go.
 """
 
 from layerwise.reload.session import (

@@ -500,31 +500,36 @@ def _deferral(session: ReloadSession, flags: list[torch.Tensor]) -> Iterator[Non
         yield
 
 
+def _on_device(device: torch.device):
+    """The session's CUDA device made current (Triton launches on the current device's stream, torch ops on the
+    tensors' device: with the model on cuda:1 both must be cuda:1's); nothing for other devices."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _drain(session: ReloadSession) -> None:
-    """Wait for the device work a session that defers its checks may have left queued (copies from the caller's
-    tensors among it): after this the caller may reuse those tensors."""
+    """Wait for the device work a session that defers its checks may have left queued on the device's current
+    stream (copies from the caller's tensors among it): after this the caller may reuse those tensors."""
     if session.defer_checks and session.device.type == "cuda":
-        torch.cuda.synchronize(session.device)
+        torch.cuda.current_stream(session.device).synchronize()
 
 
-def _read_deferred(session: ReloadSession) -> None:
-    """Read every deferred check in one host synchronization (Limitations 12).
-
-    Raises:
-        NonFiniteWeightError: a processed module held NaN or Inf; names every such module, and the key of the
-            first one's tensor that holds it. Those modules were written like the others.
-    """
+def _failed_deferred(session: ReloadSession) -> list[DeferredCheck]:
+    """Wait for the device, then read every deferred check in one go (Limitations 12) and forget them; returns the
+    checks of the modules that held NaN or Inf (written like the others)."""
     checks, session.deferred = session.deferred, []
     _drain(session)
     if not checks:
-        return
-    failed = [c for c, bad in zip(checks, torch.stack([c.flag for c in checks]).tolist(), strict=True) if bad]
-    if failed:
-        raise NonFiniteWeightError(
-            f"non-finite value (NaN or Inf) in a weight of {', '.join(c.prefix for c in failed)}, found at the "
-            f"end of the stream: {'these modules were' if len(failed) > 1 else 'the module was'} written with it",
-            key=_find_non_finite_key(failed[0].loads),
-        )
+        return []
+    flags = torch.stack([c.flag for c in checks]).tolist()
+    return [c for c, bad in zip(checks, flags, strict=True) if bad]
+
+
+def _non_finite_message(failed: list[DeferredCheck]) -> str:
+    written = "these modules were" if len(failed) > 1 else "the module was"
+    return (
+        f"non-finite value (NaN or Inf) in a weight of {', '.join(c.prefix for c in failed)}, found at the end of "
+        f"the stream: {written} written with it"
+    )
 
 
 def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None) -> None:
@@ -759,21 +764,27 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     Every module whose kernel tensors were not overwritten gets them back unchanged; staged values
     (atomic) are dropped. Returns the prefixes of the modules that were already overwritten (empty for
     an atomic session, unless its finalize failed midway through the commit). On a first load there is
-    nothing to restore and the model stays on meta.
+    nothing to restore and the model stays on meta. A session that deferred its checks (Limitations 12)
+    then waits for the device and records the written modules that held NaN or Inf in
+    ``session.non_finite_modules``.
     """
     session = _end_session(model)
     if session is None:
         return []
-    _drain(session)  # the caller may reuse its stream's tensors once the error reaches it
     updated = list(session.committed)  # closed by a finalize that then failed
-    for prefix, module in session.modules.items():
-        info = get_layerwise_info(module)
-        if info.kernel_tensors:
-            written = (info.done or info.units_started or info.in_place) and not session.atomic  # written into
-            if written and prefix not in updated:
-                updated.append(prefix)
-            set_layer_tensors(module, info.kernel_tensors)
-        _close(info)
+    try:
+        for prefix, module in session.modules.items():
+            info = get_layerwise_info(module)
+            if info.kernel_tensors:
+                written = (info.done or info.units_started or info.in_place) and not session.atomic  # written into
+                if written and prefix not in updated:
+                    updated.append(prefix)
+                set_layer_tensors(module, info.kernel_tensors)
+            _close(info)
+    finally:
+        # Limitations 12: the caller may reuse its stream's tensors once the error reaches it, and a NaN the
+        # device found before another error ended the stream is still reported
+        session.non_finite_modules = [c.prefix for c in _failed_deferred(session)]
     return updated
 
 
@@ -788,17 +799,28 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
             a reload the model is left usable (see :func:`abort_layerwise_reload`) and the error is
             a ReloadError subclass instance listing ``updated_modules``.
         NonFiniteWeightError: a unit still queued at finalize (a partial reload, Limitations 9) holds NaN
-            or Inf, or a check deferred to finalize failed (``defer_checks``, Limitations 12); the session is
-            then left open: :func:`layerwise_session` aborts it.
+            or Inf; the session is then left open: :func:`layerwise_session` aborts it. Or a check deferred to
+            finalize failed (``defer_checks``, Limitations 12): the session is aborted first, and after a
+            reload the error is a ReloadError subclass instance listing ``updated_modules`` (the module with
+            the NaN or Inf among them).
     """
     session = _session(model)
     if session is None:
         raise RuntimeError("no layerwise load/reload in progress on this model")
+    failed = _failed_deferred(session)  # Limitations 12: what the device found, before anything else
+    if failed:
+        key = _find_non_finite_key(failed[0].loads)
+        updated = abort_layerwise_reload(model)
+        if session.first_load:
+            raise NonFiniteWeightError(_non_finite_message(failed), key=key)
+        note = f"modules already updated: {updated}" if updated else "no module was changed"
+        raise _NonFiniteOnReload(
+            f"reload failed: {_non_finite_message(failed)}; {note}", updated_modules=updated, key=key
+        )
     for module in session.modules.values():  # a partial reload's units still queued (Limitations 9)
         info = get_layerwise_info(module)
         if info.pending_units:
             _process_pending_units(module, info)
-    _read_deferred(session)  # raises for a NaN or Inf found on the device: the session is left to abort
     problems = []
     for module in session.modules.values():
         info = get_layerwise_info(module)
@@ -845,18 +867,23 @@ def layerwise_session(
         RuntimeError: a session is already open on ``model`` (see initialize_layerwise_reload).
     """
     session = initialize_layerwise_reload(model, device=device, atomic=atomic, defer_checks=defer_checks)
-    try:
-        yield session
-    except BaseException:
-        session.updated_before_abort = abort_layerwise_reload(model)
-        raise
-    try:
-        finalize_layerwise_reload(model)
-    except BaseException:
-        if _session(model) is session:  # failed midway (a commit's copy_), not by its own checks, which abort
+    with _on_device(session.device):
+        try:
+            yield session
+        except BaseException:
             session.updated_before_abort = abort_layerwise_reload(model)
-        raise
+            raise
+        try:
+            finalize_layerwise_reload(model)
+        except BaseException:
+            if _session(model) is session:  # failed midway (a commit's copy_), not by its own checks, which abort
+                session.updated_before_abort = abort_layerwise_reload(model)
+            raise
 
 
 class _MissingOnReload(ReloadError, MissingWeightError):
     """A reload ended with a module only partly written."""
+
+
+class _NonFiniteOnReload(ReloadError, NonFiniteWeightError):
+    """A reload that deferred its checks found NaN or Inf at finalize (Limitations 12)."""

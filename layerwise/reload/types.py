@@ -158,6 +158,8 @@ class ReloadSession:
         defer_checks: finiteness checks are made on the device and read once, at finalize; host-to-device
             copies do not wait (Limitations 12).
         deferred: the checks of the modules processed so far, with ``defer_checks``.
+        non_finite_modules: after an abort with ``defer_checks``, the modules written with NaN or Inf before
+            the error that ended the session (their checks were not read yet).
     """
 
     device: torch.device
@@ -173,6 +175,7 @@ class ReloadSession:
     staging: Any = None  # a layerwise.reload.meta.StagingBuffer on CPU (reused module memory), else None
     defer_checks: bool = False
     deferred: list[DeferredCheck] = field(default_factory=list)
+    non_finite_modules: list[str] = field(default_factory=list)
 
 
 def intervals_of_view(offset: int, sizes: tuple, strides: tuple) -> tuple[np.ndarray, int]:
