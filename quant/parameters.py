@@ -22,7 +22,7 @@ _ASYNC_HOST_COPIES: ContextVar[bool] = ContextVar("layerwise_async_host_copies",
 
 
 @contextlib.contextmanager
-def async_host_copies(enabled: bool = True) -> Iterator[None]:
+def async_host_copies() -> Iterator[None]:
     """Within the block, :meth:`ModelWeightParameter.load_shard` copies pinned CPU tensors to the device in their
     own dtype with ``non_blocking=True`` (:func:`_may_return_early`): the call returns at once and the copy
     overlaps what the host does next. Other copies block as before.
@@ -31,7 +31,7 @@ def async_host_copies(enabled: bool = True) -> Iterator[None]:
     a sequence the caller holds, ``layerwise.reload.session`` Limitations 12): a producer that refills a pinned
     buffer after handing out a view of it would otherwise race the copy.
     """
-    token = _ASYNC_HOST_COPIES.set(enabled)
+    token = _ASYNC_HOST_COPIES.set(True)
     try:
         yield
     finally:

@@ -180,6 +180,15 @@ _VERIFIED: dict = {}
 #: arithmetic matched torchao's bytes (Limitations 4). Holds no tensor and no model; cleared at 256 entries.
 _VERIFIED_PER_TENSOR: dict = {}
 
+
+def _remember(verified: dict, key: tuple, value) -> None:
+    """Record a verified chunk shape in ``verified`` (``_VERIFIED`` or ``_VERIFIED_PER_TENSOR``), which is emptied
+    when it reaches 256 entries."""
+    if len(verified) >= 256:
+        verified.clear()
+    verified[key] = value
+
+
 #: torchao tensor type -> (inner tensor names, this module's arithmetic for its chunks) (Limitations 3)
 _LOCAL_ROWS = {
     "Float8Tensor": (["qdata", "scale"], _float8_rows),
@@ -326,9 +335,7 @@ class TorchaoLinearMethod(QuantMethod):
                     return self._quantize(weight)
                 references[n - n % rows] = last
             if self._local_chunks(weight, rows, references, layout, inner):
-                if len(_VERIFIED) >= 256:
-                    _VERIFIED.clear()
-                _VERIFIED[key] = (layout, [(name, (t.shape[1:], t.dtype)) for name, t in inner.items()])
+                _remember(_VERIFIED, key, (layout, [(name, (t.shape[1:], t.dtype)) for name, t in inner.items()]))
                 return self._unflatten(cls, inner, ctx, weight)
             del references
         _check_finite(weight)
@@ -366,9 +373,7 @@ class TorchaoLinearMethod(QuantMethod):
                 return None
         spec = (layout, first.qdata.dtype, tuple(first.scale.shape), first.scale.dtype)
         del first, qdata, scale, work
-        if len(_VERIFIED_PER_TENSOR) >= 256:
-            _VERIFIED_PER_TENSOR.clear()
-        _VERIFIED_PER_TENSOR[key] = spec
+        _remember(_VERIFIED_PER_TENSOR, key, spec)
         return self._float8_per_tensor_local(weight, rows, spec)
 
     def _float8_per_tensor_local(self, weight: torch.Tensor, rows: int, spec) -> torch.Tensor:

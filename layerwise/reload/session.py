@@ -809,14 +809,11 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         raise RuntimeError("no layerwise load/reload in progress on this model")
     failed = _failed_deferred(session)  # Limitations 12: what the device found, before anything else
     if failed:
-        key = _find_non_finite_key(failed[0].loads)
+        error = NonFiniteWeightError(_non_finite_message(failed), key=_find_non_finite_key(failed[0].loads))
         updated = abort_layerwise_reload(model)
         if session.first_load:
-            raise NonFiniteWeightError(_non_finite_message(failed), key=key)
-        note = f"modules already updated: {updated}" if updated else "no module was changed"
-        raise _NonFiniteOnReload(
-            f"reload failed: {_non_finite_message(failed)}; {note}", updated_modules=updated, key=key
-        )
+            raise error
+        raise _NonFiniteOnReload.wrap(error, updated) from error
     for module in session.modules.values():  # a partial reload's units still queued (Limitations 9)
         info = get_layerwise_info(module)
         if info.pending_units:
