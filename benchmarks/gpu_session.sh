@@ -4,12 +4,16 @@
 #   bash benchmarks/gpu_session.sh tests    # CUDA tests (-m gpu) + the demo on cuda           (~5 min)
 #   bash benchmarks/gpu_session.sh suite    # the 8b suite: peak memory, reload, decode step   (~8 min)
 #   bash benchmarks/gpu_session.sh moe      # MoE load + the 8b reload alone (quicker re-check) (~5 min)
+#   bash benchmarks/gpu_session.sh tune     # GEMM tiles for the 8b projections at M = 8 (decode);
+#                                           # writes kernels/configs/<gpu>.json into $OUT/configs  (~5 min)
 #
 # Run from the repository root. A torchao wheel in .whl/ (`pip download torchao==0.17.0 --no-deps -d .whl`)
 # is installed first where torchao is missing. Afterwards, on the development machine: copy the JSON into
-# benchmarks/results/, commit it, then `python -m layerwise.benchmarks.readme` and commit README.md.
+# benchmarks/results/, commit it, then `python -m layerwise.benchmarks.readme` and commit README.md. Run
+# `tune` before `suite` (in its own call): copy $OUT/configs/*.json into kernels/configs/ and commit it, so the
+# suite's decode step launches the tuned GEMMs.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|suite|moe}
+part=${1:?usage: gpu_session.sh tests|suite|moe|tune}
 OUT=${OUT:-/tmp/lw-gpu}
 mkdir -p "$OUT"
 if ! python3 -c "import torchao" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
@@ -38,8 +42,14 @@ case "$part" in
       --out-dir "$OUT/reload" --cache-dir /tmp/lw-bench >"$OUT/reload.log" 2>&1
     echo "reload exit $?"; tail -n 20 "$OUT/reload.log"
     ;;
+  tune)
+    timeout 540 python3 -m layerwise.benchmarks.gemm_tune --device cuda --size 8b --budget 420 --write-configs \
+      --out-dir "$OUT/results" >"$OUT/tune.log" 2>&1
+    echo "tune exit $?"; tail -n 40 "$OUT/tune.log"
+    mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/" 2>/dev/null
+    ;;
   *)
-    echo "unknown part $part (tests|suite|moe)" >&2
+    echo "unknown part $part (tests|suite|moe|tune)" >&2
     exit 2
     ;;
 esac

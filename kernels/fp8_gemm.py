@@ -15,12 +15,19 @@ FP8 weight bytes and their float32 scales inside the K loop:
   the token-group scales (rows) and the block scales (columns) before it joins the accumulator:
   acc += dot(xq, wq^T) * xs[:, k] * ws[n // 128, k].
 
-Tiling (``gemm_tiles``): decode batches (M <= 16) are memory-bound on the weight bytes, so one
-program covers 16 rows of x and only BLOCK_N = 16 output columns and streams K in steps of 256
-(128 for per-block): a Llama-3-8B projection (N >= 4096) then runs >= 256 programs, about two per
-SM of an H100, each with num_stages = 4 tiles in flight. Larger M gets wider tiles (vLLM's
-defaults for the block GEMM: 64 x 128 x 128, 4 warps, 3 stages). The tables are constants to tune
-on a GPU; the choice of path per M is the caller's (``quant.fp8``).
+Tiling (``launch_tiles``): a configuration tuned on this GPU for the shape and M where
+``kernels.gemm_configs`` stores one (``python -m layerwise.benchmarks.gemm_tune``), else the
+heuristic tables of ``gemm_tiles``. Decode batches (M <= 16) are memory-bound on the weight bytes, so
+there one program covers 16 rows of x and only BLOCK_N = 16 output columns and streams K in steps of
+256 (128 for per-block): a Llama-3-8B projection (N >= 4096) then runs >= 256 programs, about two
+per SM of an H100, each with num_stages = 4 tiles in flight. Larger M gets wider tiles (vLLM's
+defaults for the block GEMM: 64 x 128 x 128, 4 warps, 3 stages).
+
+Split-K (``GemmTiles.split_k`` > 1): the K blocks are dealt in equal runs to the splits (``k_span``),
+each program of a split writes its float32 partial [M, N] tile, and a second launch
+(``_split_k_reduce_kernel``) sums the partials in split order, then applies the per-tensor /
+per-channel scale, the bias and the output cast, in that order as the unsplit kernel does. Wider
+column tiles then still give enough programs to fill the GPU, and read x fewer times.
 
 The interpreter (CPU, tests) decodes with integer ops and multiplies in float32 with IEEE
 products (``DOT_DTYPE``); bf16 output is rounded half to even by hand, as in ``fp8_tiles``.
@@ -29,11 +36,13 @@ products (``DOT_DTYPE``); bf16 output is rounded half to even by hand, as in ``f
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from layerwise.kernels.fp8_act import GROUP_SIZE
 from layerwise.kernels.fp8_tiles import SCALE_MODES
+from layerwise.kernels.gemm_configs import tuned_fields
 from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, scale_layout
 from layerwise.kernels.triton_common import (
     HAS_TRITON,
@@ -46,33 +55,64 @@ from layerwise.kernels.triton_common import (
     triton,
 )
 
-# (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), first row whose max M >= M wins.
+
+class GemmTiles(NamedTuple):
+    """A GEMM launch configuration: the output tile of one program, the K step, the number of K splits
+    (1: no split), and the launch options."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (max M, tiles), first row whose max M >= M wins.
 # W8A16, per-tensor / per-channel weights (BLOCK_K for per-block is forced to 128).
 W8A16_TILES_CUDA = (
-    (16, 16, 16, 256, 4, 4),
-    (32, 32, 32, 128, 4, 4),
-    (64, 64, 32, 128, 4, 4),
-    (None, 64, 64, 128, 4, 3),
+    (16, GemmTiles(16, 16, 256, 1, 4, 4)),
+    (32, GemmTiles(32, 32, 128, 1, 4, 4)),
+    (64, GemmTiles(64, 32, 128, 1, 4, 4)),
+    (None, GemmTiles(64, 64, 128, 1, 4, 3)),
 )
 # block-scaled W8A8 (BLOCK_K is the 128 of the block)
 W8A8_BLOCK_TILES_CUDA = (
-    (16, 16, 16, 128, 4, 4),
-    (32, 32, 32, 128, 4, 4),
-    (64, 64, 64, 128, 4, 3),
-    (None, 64, 128, 128, 4, 3),
+    (16, GemmTiles(16, 16, 128, 1, 4, 4)),
+    (32, GemmTiles(32, 32, 128, 1, 4, 4)),
+    (64, GemmTiles(64, 64, 128, 1, 4, 3)),
+    (None, GemmTiles(64, 128, 128, 1, 4, 3)),
 )
-TILES_INTERPRET = (None, 16, 32, 128, 1, 1)  # the interpreter pays per program: few, mid-sized tiles
+TILES_INTERPRET = GemmTiles(16, 32, 128, 1, 1, 1)  # the interpreter pays per program: few, mid-sized tiles
+REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 
 
-def gemm_tiles(m: int, device: torch.device, kind: str) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for ``m`` rows of x; kind "w8a16" or "block"."""
+def gemm_tiles(m: int, device: torch.device, kind: str) -> GemmTiles:
+    """The default tiles for ``m`` rows of x on ``device``; kind "w8a16" or "block"."""
     if device.type == "cpu":
-        return TILES_INTERPRET[1:]
+        return TILES_INTERPRET
     table = W8A16_TILES_CUDA if kind == "w8a16" else W8A8_BLOCK_TILES_CUDA
-    for row in table:
-        if row[0] is None or m <= row[0]:
-            return row[1:]
+    for max_m, tiles in table:
+        if max_m is None or m <= max_m:
+            return tiles
     raise AssertionError("unreachable: the last row takes any M")
+
+
+def launch_tiles(kind: str, m: int, n: int, k: int, device: torch.device) -> GemmTiles:
+    """The tiles a GEMM of ``kind`` ("w8a16", "w8a16-block" or "w8a8-block", see ``kernels.gemm_configs``)
+    launches with: the tuned configuration of this GPU and shape where one is stored, else :func:`gemm_tiles`."""
+    fields = tuned_fields(kind, n, k, m, device)
+    if fields is not None:
+        return GemmTiles(*fields)
+    return gemm_tiles(m, device, "block" if kind == "w8a8-block" else "w8a16")
+
+
+def k_span(k: int, tiles: GemmTiles) -> tuple[int, int]:
+    """(K columns per split, number of splits): the K blocks of ``tiles.block_k`` dealt in equal runs to
+    at most ``tiles.split_k`` splits; fewer splits where K has fewer blocks (none is empty)."""
+    blocks = triton.cdiv(k, tiles.block_k)
+    span = triton.cdiv(blocks, max(1, min(tiles.split_k, blocks))) * tiles.block_k
+    return span, triton.cdiv(k, span)
 
 
 @helper
@@ -99,13 +139,36 @@ def store_out(out_ptr, offs, y, mask, OUT_BF16: tl.constexpr):
 
 @helper
 def program_tile(m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(rows int64 [BLOCK_M], cols int64 [BLOCK_N]) of this program's output tile; programs run over
-    the tiles of [m, n] with the column tile fastest, on grid axis 0."""
+    """(rows int64 [BLOCK_M], cols int64 [BLOCK_N], split int32) of this program: programs run over the
+    output tiles of [m, n] with the column tile fastest, then over the K splits, all on grid axis 0."""
     pid = tl.program_id(0)
     n_tiles = (n + BLOCK_N - 1) // BLOCK_N
-    rm = (pid // n_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid % n_tiles).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rm, rn
+    tiles = ((m + BLOCK_M - 1) // BLOCK_M) * n_tiles
+    tile = pid % tiles
+    rm = (tile // n_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tile % n_tiles).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, pid // tiles
+
+
+@helper
+def store_partial(partial_ptr, split, rm, rn, acc, m, n):
+    """Store float32 ``acc`` [BLOCK_M, BLOCK_N] as split ``split``'s slice of the partials [splits, m, n]."""
+    mask = (rm[:, None] < m) & (rn[None, :] < n)
+    tl.store(partial_ptr + (split.to(tl.int64) * m * n + rm[:, None] * n + rn[None, :]), acc, mask=mask)
+
+
+@helper
+def finish(acc, rm, rn, scale_ptr, bias_ptr, out_ptr, m, n, OUT_BF16: tl.constexpr, HAS_BIAS: tl.constexpr,
+           SCALE_MODE: tl.constexpr):  # fmt: skip
+    """out[rm, rn] = acc * scale (SCALE_MODE 0: per tensor, 1: per column; 2: already scaled) + bias."""
+    if SCALE_MODE == 0:
+        acc = acc * tl.load(scale_ptr)
+    elif SCALE_MODE == 1:
+        acc = acc * tl.load(scale_ptr + rn, mask=rn < n, other=0.0)[None, :]
+    mask = (rm[:, None] < m) & (rn[None, :] < n)
+    if HAS_BIAS:
+        acc = acc + load_f32(bias_ptr + rn, rn < n, OUT_BF16)[None, :]
+    store_out(out_ptr, rm[:, None] * n + rn[None, :], acc, mask, OUT_BF16)
 
 
 def _w8a16_gemm_kernel(
@@ -114,23 +177,30 @@ def _w8a16_gemm_kernel(
     scale_ptr,
     bias_ptr,
     out_ptr,
+    partial_ptr,
     m,
     n,
     k,
     scale_cols,
+    k_split,
     IS_BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # DOT_DTYPE: x's dtype on CUDA (tensor cores); float32 with IEEE products in the interpreter
-    rm, rn = program_tile(m, n, BLOCK_M, BLOCK_N)
+    # DOT_DTYPE: x's dtype on CUDA (tensor cores); float32 with IEEE products in the interpreter.
+    # SPLIT: K is split (k_split columns a split, a multiple of BLOCK_K); the float32 partial goes to
+    # partial_ptr and _split_k_reduce_kernel finishes (scale, bias, cast). Otherwise k_split == k.
+    rm, rn, split = program_tile(m, n, BLOCK_M, BLOCK_N)
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, k)
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x_mask = (rm[:, None] < m) & (rk[None, :] < k)
         x = load_f32(x_ptr + (rm[:, None] * k + rk[None, :]), x_mask, IS_BF16).to(DOT_DTYPE)
@@ -145,14 +215,40 @@ def _w8a16_gemm_kernel(
             acc += part * s[None, :]
         else:
             acc += part
+    if SPLIT:
+        store_partial(partial_ptr, split, rm, rn, acc, m, n)
+    else:
+        finish(acc, rm, rn, scale_ptr, bias_ptr, out_ptr, m, n, IS_BF16, HAS_BIAS, SCALE_MODE)
+
+
+def _split_k_reduce_kernel(
+    partial_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    m,
+    n,
+    splits,
+    OUT_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # outputs [pid * BLOCK, +BLOCK) of the flattened [m, n]: the splits' partials summed in split order
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    size = m.to(tl.int64) * n
+    mask = offs < size
+    acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(partial_ptr + (s * size + offs), mask=mask, other=0.0)
+    rn = offs % n
     if SCALE_MODE == 0:
         acc = acc * tl.load(scale_ptr)
     elif SCALE_MODE == 1:
-        acc = acc * tl.load(scale_ptr + rn, mask=rn < n, other=0.0)[None, :]
-    mask = (rm[:, None] < m) & (rn[None, :] < n)
+        acc = acc * tl.load(scale_ptr + rn, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc = acc + load_f32(bias_ptr + rn, rn < n, IS_BF16)[None, :]
-    store_out(out_ptr, rm[:, None] * n + rn[None, :], acc, mask, IS_BF16)
+        acc = acc + load_f32(bias_ptr + rn, mask, OUT_BF16)
+    store_out(out_ptr, offs, acc, mask, OUT_BF16)
 
 
 def _w8a8_block_gemm_kernel(
@@ -162,21 +258,27 @@ def _w8a8_block_gemm_kernel(
     w_scale_ptr,
     bias_ptr,
     out_ptr,
+    partial_ptr,
     m,
     n,
     k,
     x_scale_cols,
     w_scale_cols,
+    k_split,
     OUT_BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rm, rn = program_tile(m, n, BLOCK_M, BLOCK_N)
+    # SPLIT as in _w8a16_gemm_kernel; the partials are already scaled (the reduction adds the bias)
+    rm, rn, split = program_tile(m, n, BLOCK_M, BLOCK_N)
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, k)
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    for k0 in range(0, k, BLOCK_K):  # BLOCK_K == 128: one token group and one weight block column
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K == 128: one token group and one weight block column
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(xq_ptr + (rm[:, None] * k + rk[None, :]), mask=(rm[:, None] < m) & (rk[None, :] < k), other=0)
         b = tl.load(w_ptr + (rn[None, :] * k + rk[:, None]), mask=(rk[:, None] < k) & (rn[None, :] < n), other=0)
@@ -189,10 +291,10 @@ def _w8a8_block_gemm_kernel(
         xs = tl.load(x_scale_ptr + (rm * x_scale_cols + k0 // BLOCK_K), mask=rm < m, other=0.0)
         ws = tl.load(w_scale_ptr + ((rn // 128) * w_scale_cols + k0 // 128), mask=rn < n, other=0.0)
         acc += part * xs[:, None] * ws[None, :]
-    mask = (rm[:, None] < m) & (rn[None, :] < n)
-    if HAS_BIAS:
-        acc = acc + load_f32(bias_ptr + rn, rn < n, OUT_BF16)[None, :]
-    store_out(out_ptr, rm[:, None] * n + rn[None, :], acc, mask, OUT_BF16)
+    if SPLIT:
+        store_partial(partial_ptr, split, rm, rn, acc, m, n)
+    else:
+        finish(acc, rm, rn, w_scale_ptr, bias_ptr, out_ptr, m, n, OUT_BF16, HAS_BIAS, 2)
 
 
 def fp8_native(device: torch.device) -> bool:
@@ -223,16 +325,41 @@ def _check_gemm_inputs(x: torch.Tensor, weight: torch.Tensor, name: str) -> None
         raise ValueError(f"{name}: x and weight must share a cuda (or cpu, interpreted) device")
 
 
-def _run(fn, device, m, n, tiles, args, **constexprs) -> None:
-    block_m, block_n, block_k, num_warps, num_stages = tiles
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    if device.type != "cpu":
-        constexprs.update(num_warps=num_warps, num_stages=num_stages)
-    launch(fn, device, grid, *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **constexprs)
+def _run(fn, device, m, n, k, tiles, pointers, sizes, epilogue, **constexprs) -> None:
+    """Launch GEMM kernel ``fn`` over the output tiles and K splits of ``tiles``; with more than one split,
+    the reduction kernel sums the float32 partials and applies ``epilogue`` (scale, bias, out, SCALE_MODE).
+
+    ``pointers`` are the kernel's arguments before partial_ptr, ``sizes`` those between k and k_split.
+    """
+    span, splits = k_span(k, tiles)
+    scale, bias, out, scale_mode = epilogue
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n) * splits,)
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=device) if splits > 1 else scale
+    options = {} if device.type == "cpu" else dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
+    launch(fn, device, grid, *pointers, partial, m, n, k, *sizes, span, SPLIT=splits > 1, **blocks, **constexprs,
+           **options)  # fmt: skip
+    if splits > 1:
+        out_bits, out_bf16 = as_kernel_input(out)
+        launch(
+            _split_k_reduce_kernel, device, (triton.cdiv(m * n, REDUCE_BLOCK),), partial, scale,
+            bias if bias is not None else out_bits, out_bits, m, n, splits, OUT_BF16=out_bf16,
+            HAS_BIAS=bias is not None, SCALE_MODE=scale_mode, BLOCK=REDUCE_BLOCK,
+            **({} if device.type == "cpu" else dict(num_warps=4)),
+        )  # fmt: skip
+
+
+def _fit_block(tiles: GemmTiles) -> GemmTiles:
+    """``tiles`` for per-block weight scales: a K step of one block (128), column tiles within one block row."""
+    return tiles._replace(block_n=min(tiles.block_n, BLOCK_SIZE[0]), block_k=BLOCK_SIZE[1])
 
 
 def w8a16_gemm(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """y = x @ (float32(weight) * scale)^T + bias, without a dequantized copy of the weight.
 
@@ -242,6 +369,8 @@ def w8a16_gemm(
         scale: float32 on x's device: 1 element (per tensor), [N, 1] (per channel) or
             [ceil(N/128), ceil(K/128)] (per block).
         bias: optional [N] in x's dtype.
+        tiles: the launch configuration; default :func:`launch_tiles` (per-block scales force BLOCK_K = 128
+            and BLOCK_N <= 128).
     Returns:
         [M, N] in x's dtype; float32 accumulation (see the module docstring for the order of scaling).
     Raises:
@@ -258,21 +387,21 @@ def w8a16_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    tiles = gemm_tiles(m, x.device, "w8a16")
-    if granularity == "block":  # one block column per K step, one block row per column tile
-        tiles = (tiles[0], min(tiles[1], BLOCK_SIZE[0]), BLOCK_SIZE[1], *tiles[3:])
+    kind = "w8a16-block" if granularity == "block" else "w8a16"
+    tiles = tiles or launch_tiles(kind, m, n, k, x.device)
+    if granularity == "block":
+        tiles = _fit_block(tiles)
     scale = scale.to(torch.float32).contiguous()
     x_bits, is_bf16 = as_kernel_input(x)
-    bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else x
-    args = (
-        x_bits, weight.view(torch.uint8), scale, bias_bits,
-        as_kernel_input(out)[0], m, n, k, scale.shape[-1] if granularity == "block" else 1,
-    )  # fmt: skip
-    native = fp8_native(x.device)
+    bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else None
+    out_bits = as_kernel_input(out)[0]
+    mode = SCALE_MODES[granularity]
     _run(
-        _w8a16_gemm_kernel, x.device, m, n, tiles, args,
-        IS_BF16=is_bf16, HAS_BIAS=bias is not None, SCALE_MODE=SCALE_MODES[granularity],
-        FP8_NATIVE=native, DOT_DTYPE=dot_dtype(x.dtype, x.device),
+        _w8a16_gemm_kernel, x.device, m, n, k, tiles,
+        (x_bits, weight.view(torch.uint8), scale, bias_bits if bias is not None else x_bits, out_bits),
+        (scale.shape[-1] if granularity == "block" else 1,), (scale, bias_bits, out, mode),
+        IS_BF16=is_bf16, HAS_BIAS=bias is not None, SCALE_MODE=mode, FP8_NATIVE=fp8_native(x.device),
+        DOT_DTYPE=dot_dtype(x.dtype, x.device),
     )  # fmt: skip
     return out
 
@@ -284,6 +413,7 @@ def w8a8_block_gemm(
     weight_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """y = (xq * x_scale) @ (weight * weight_scale)^T + bias, block-scaled FP8 (DeepSeek-V3 scheme).
 
@@ -294,6 +424,8 @@ def w8a8_block_gemm(
         weight_scale: float32 [ceil(N/128), ceil(K/128)] (``weight_scale_inv``).
         out_dtype: bf16 or fp16.
         bias: optional [N] in out_dtype.
+        tiles: the launch configuration; default :func:`launch_tiles` (BLOCK_K is forced to 128, BLOCK_N
+            to at most 128).
     Returns:
         [M, N] in out_dtype, float32 accumulation.
     Raises:
@@ -316,16 +448,27 @@ def w8a8_block_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    args = (
-        xq.view(torch.uint8), x_scale.to(torch.float32).contiguous(), weight.view(torch.uint8),
-        weight_scale.to(torch.float32).contiguous(), as_kernel_input(bias.contiguous())[0] if bias is not None else out,
-        as_kernel_input(out)[0], m, n, k, groups, weight_scale.shape[1],
-    )  # fmt: skip
+    weight_scale = weight_scale.to(torch.float32).contiguous()
+    bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else None
+    out_bits = as_kernel_input(out)[0]
+    tiles = _fit_block(tiles or launch_tiles("w8a8-block", m, n, k, xq.device))
     _run(
-        _w8a8_block_gemm_kernel, xq.device, m, n, gemm_tiles(m, xq.device, "block"), args,
+        _w8a8_block_gemm_kernel, xq.device, m, n, k, tiles,
+        (xq.view(torch.uint8), x_scale.to(torch.float32).contiguous(), weight.view(torch.uint8), weight_scale,
+         bias_bits if bias is not None else out_bits, out_bits),
+        (groups, weight_scale.shape[1]), (weight_scale, bias_bits, out, SCALE_MODES["block"]),
         OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, FP8_NATIVE=xq.device.type == "cuda",
     )  # fmt: skip
     return out
 
 
-__all__ = ["W8A16_TILES_CUDA", "W8A8_BLOCK_TILES_CUDA", "gemm_tiles", "w8a16_gemm", "w8a8_block_gemm"]
+__all__ = [
+    "W8A16_TILES_CUDA",
+    "W8A8_BLOCK_TILES_CUDA",
+    "GemmTiles",
+    "gemm_tiles",
+    "k_span",
+    "launch_tiles",
+    "w8a16_gemm",
+    "w8a8_block_gemm",
+]

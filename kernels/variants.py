@@ -26,8 +26,10 @@ from layerwise.kernels.fp8_act import (
     act_tile,
 )
 from layerwise.kernels.fp8_gemm import (
+    REDUCE_BLOCK,
     W8A8_BLOCK_TILES_CUDA,
     W8A16_TILES_CUDA,
+    _split_k_reduce_kernel,
     _w8a8_block_gemm_kernel,
     _w8a16_gemm_kernel,
     dot_dtype,
@@ -166,43 +168,52 @@ def gemm_variants() -> Iterator[KernelVariant]:
     under a minute): the decode tile (first table row) in every scale layout, with a bias, 16-aligned
     (the common runtime case, see ``KernelVariant.aligned``), integer e4m3 decode on sm_80 and FP8
     hardware on sm_90 (sm_89 once); then one variant for each other code difference: unaligned, int64
-    sizes, fp16, and each larger tile (sm_90).
+    sizes, fp16, split K (partials out), and each larger tile (sm_90); and the split-K reduction in each
+    output dtype and scale mode.
     """
     bf16, fp16 = torch.bfloat16, torch.float16
-    # (kind, dtype, tile row, scale layout, index type, bias, aligned, FP8 targets, sm_80 too)
-    specs = [("w8a16", bf16, 0, g, "i32", True, True, (89, 90) if g == "channel" else (90,), True)
+    # (kind, dtype, tile row, scale layout, index type, bias, aligned, FP8 targets, sm_80 too, split K)
+    specs = [("w8a16", bf16, 0, g, "i32", True, True, (89, 90) if g == "channel" else (90,), True, False)
              for g in ("tensor", "channel", "block")]  # fmt: skip
     specs += [
-        ("w8a16", bf16, 0, "channel", "i32", True, False, (90,), True),
-        ("w8a16", bf16, 0, "channel", "i64", False, True, (90,), True),
-        ("w8a16", fp16, 0, "channel", "i32", False, True, (90,), False),
+        ("w8a16", bf16, 0, "channel", "i32", True, False, (90,), True, False),
+        ("w8a16", bf16, 0, "channel", "i64", False, True, (90,), True, False),
+        ("w8a16", fp16, 0, "channel", "i32", False, True, (90,), False, False),
+        ("w8a16", bf16, 0, "channel", "i32", False, True, (90,), True, True),
+        ("w8a16", bf16, 0, "block", "i32", False, True, (90,), False, True),
     ]
-    specs += [("w8a16", bf16, t, g, "i32", False, True, (90,), False) for t in (1, 2, 3) for g in ("channel", "block")]
     specs += [
-        ("block", bf16, 0, "block", "i32", True, True, (89, 90), False),
-        ("block", bf16, 0, "block", "i32", True, False, (90,), False),
-        ("block", bf16, 0, "block", "i64", False, True, (90,), False),
-        ("block", fp16, 0, "block", "i32", False, True, (90,), False),
+        ("w8a16", bf16, t, g, "i32", False, True, (90,), False, False) for t in (1, 2, 3) for g in ("channel", "block")
     ]
-    specs += [("block", bf16, t, "block", "i32", False, True, (90,), False) for t in (1, 2, 3)]
+    specs += [
+        ("block", bf16, 0, "block", "i32", True, True, (89, 90), False, False),
+        ("block", bf16, 0, "block", "i32", True, False, (90,), False, False),
+        ("block", bf16, 0, "block", "i64", False, True, (90,), False, False),
+        ("block", fp16, 0, "block", "i32", False, True, (90,), False, False),
+        ("block", bf16, 0, "block", "i32", False, True, (90,), False, True),
+    ]
+    specs += [("block", bf16, t, "block", "i32", False, True, (90,), False, False) for t in (1, 2, 3)]
     cuda = torch.device("cuda")
-    for kind, dtype, t, granularity, index_type, has_bias, aligned, fp8_targets, sm80 in specs:
+    for kind, dtype, t, granularity, index_type, has_bias, aligned, fp8_targets, sm80, split in specs:
         name, ptr, is_bf16 = str(dtype)[6:], POINTER_TYPES[dtype], dtype == torch.bfloat16
         table = W8A16_TILES_CUDA if kind == "w8a16" else W8A8_BLOCK_TILES_CUDA
-        _, block_m, block_n, block_k, num_warps, num_stages = table[t]
+        tiles = table[t][1]
+        block_m, block_n, block_k = tiles.block_m, tiles.block_n, tiles.block_k
         if granularity == "block":
             block_n, block_k = min(block_n, BLOCK_SIZE[0]), BLOCK_SIZE[1]
-        options = dict(num_warps=num_warps, num_stages=num_stages)
+        options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         label = f"{block_m}x{block_n}x{block_k},{index_type},{'bias' if has_bias else 'nobias'}"
+        label += ",split" if split else ""
+        sizes = dict(m=index_type, n=index_type, k=index_type, k_split=index_type)
         if kind == "w8a16":
             fn, alignment = _w8a16_gemm_kernel, W8A16_ALIGNED
-            types = dict(x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr)
-            types.update(m=index_type, n=index_type, k=index_type, scale_cols=index_type)
+            types = dict(sizes, x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr)
+            types.update(partial_ptr="*fp32", scale_cols=index_type)
             forms = [(True, fp8_targets)] + ([(False, (80,))] if sm80 else [])
             for native, targets in forms:
                 const = dict(
                     IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[granularity], FP8_NATIVE=native,
-                    DOT_DTYPE=dot_dtype(dtype, cuda), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                    DOT_DTYPE=dot_dtype(dtype, cuda), SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 )  # fmt: skip
                 yield KernelVariant(
                     f"w8a16_gemm[{name},{granularity},{label},{'native' if native else 'int'}"
@@ -211,19 +222,33 @@ def gemm_variants() -> Iterator[KernelVariant]:
                 )  # fmt: skip
         else:
             fn, alignment = _w8a8_block_gemm_kernel, W8A8_BLOCK_ALIGNED
-            types = dict(xq_ptr="*u8", x_scale_ptr="*fp32", w_ptr="*u8", w_scale_ptr="*fp32")
-            types.update(bias_ptr=ptr, out_ptr=ptr, m=index_type, n=index_type, k=index_type)
+            types = dict(sizes, xq_ptr="*u8", x_scale_ptr="*fp32", w_ptr="*u8", w_scale_ptr="*fp32")
+            types.update(bias_ptr=ptr, out_ptr=ptr, partial_ptr="*fp32")
             types.update(x_scale_cols=index_type, w_scale_cols=index_type)
             const = dict(
-                OUT_BF16=is_bf16, HAS_BIAS=has_bias, FP8_NATIVE=True, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_K=block_k,
+                OUT_BF16=is_bf16, HAS_BIAS=has_bias, FP8_NATIVE=True, SPLIT=split, BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_K=block_k,
             )  # fmt: skip
             yield KernelVariant(
                 f"w8a8_block_gemm[{name},{label}{',aligned' if aligned else ''}]",
                 fn, _signature(fn, types, const), const, fp8_targets, options, alignment if aligned else (),
             )  # fmt: skip
+    fn = _split_k_reduce_kernel
+    for dtype in ACT_DTYPES:
+        types = dict(partial_ptr="*fp32", scale_ptr="*fp32", bias_ptr=POINTER_TYPES[dtype], out_ptr=POINTER_TYPES[dtype])
+        types.update(m="i32", n="i32", splits="i32")
+        for granularity, mode in SCALE_MODES.items():
+            const = dict(OUT_BF16=dtype == torch.bfloat16, HAS_BIAS=True, SCALE_MODE=mode, BLOCK=REDUCE_BLOCK)
+            yield KernelVariant(
+                f"split_k_reduce[{str(dtype)[6:]},{granularity}]", fn, _signature(fn, types, const), const,
+                ACT_TARGETS, dict(num_warps=4),
+            )  # fmt: skip
 
 
-# pointers and the sizes that are multiples of 16 in real models (M, the batch, usually is not)
-W8A16_ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "n", "k")
-W8A8_BLOCK_ALIGNED = ("xq_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "n", "k")
+# pointers and the sizes that are multiples of 16 in real models (M, the batch, usually is not); k_split, the
+# K columns of a split, is a multiple of BLOCK_K always (without it the K loop's start has no known alignment
+# and its loads are neither vectorized nor pipelined)
+W8A16_ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "partial_ptr", "n", "k", "k_split")
+W8A8_BLOCK_ALIGNED = (
+    "xq_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "partial_ptr", "n", "k", "k_split",
+)  # fmt: skip

@@ -66,24 +66,33 @@ def test_the_matrix_covers_every_gemm():
     assert "w8a8_block_gemm[bfloat16,16x16x128,i32,bias]" in names
     assert "w8a8_block_gemm[bfloat16,16x16x128,i64,nobias,aligned]" in names
     assert "w8a8_block_gemm[float16,16x16x128,i32,nobias,aligned]" in names
+    # split K: the partials' store in both kernels (and both W8A16 decodes), and every reduction epilogue
+    assert "w8a16_gemm[bfloat16,channel,16x16x256,i32,nobias,split,int,aligned]" in names
+    assert "w8a16_gemm[bfloat16,block,16x16x128,i32,nobias,split,native,aligned]" in names
+    assert "w8a8_block_gemm[bfloat16,16x16x128,i32,nobias,split,aligned]" in names
+    for dtype in ("bfloat16", "float16"):
+        for layout in ("tensor", "channel", "block"):
+            assert f"split_k_reduce[{dtype},{layout}]" in names
     for kind, table in (("w8a16_gemm", W8A16_TILES_CUDA), ("w8a8_block_gemm", W8A8_BLOCK_TILES_CUDA)):
-        for _, block_m, _, _, _, _ in table:  # every tile row of both tables is built
+        for _, (block_m, *_) in table:  # every tile row of both tables is built
             assert any(n.startswith(f"{kind}[bfloat16,") and f",{block_m}x" in n for n in names), (kind, block_m)
     for v in GEMM_VARIANTS:  # FP8 conversions and tensor cores only where the hardware has them
-        assert set(v.targets) <= ({89, 90} if v.constexprs["FP8_NATIVE"] else {80}), v.name
+        if "FP8_NATIVE" in v.constexprs:
+            assert set(v.targets) <= ({89, 90} if v.constexprs["FP8_NATIVE"] else {80}), v.name
 
 
 def test_aligned_gemms_pipeline_their_loads():
     # with 16-aligned pointers and sizes (Triton's launch-time specialization) the K loop's loads become
     # cp.async copies into shared memory, num_stages deep: the latency hiding the decode tiles rely on
+    # (split K too: its loop starts at split * k_split, and only k_split's alignment keeps the copies vectorized)
     for name in ("w8a16_gemm[bfloat16,channel,16x16x256,i32,bias,native,aligned]",
-                 "w8a8_block_gemm[bfloat16,16x16x128,i32,bias,aligned]"):  # fmt: skip
+                 "w8a8_block_gemm[bfloat16,16x16x128,i32,bias,aligned]",
+                 "w8a16_gemm[bfloat16,channel,16x16x256,i32,nobias,split,native,aligned]",
+                 "w8a8_block_gemm[bfloat16,16x16x128,i32,nobias,split,aligned]"):  # fmt: skip
         variant = next(v for v in GEMM_VARIANTS if v.name == name)
         compiled = _compile(variant, 90)
         assert "cp.async" in compiled.asm["ptx"], name
         assert compiled.metadata.shared >= 2 * 16 * 128, name  # more than one stage of the smallest tile
-    for v in GEMM_VARIANTS:  # FP8 conversions and tensor cores only where the hardware has them
-        assert set(v.targets) <= ({89, 90} if v.constexprs["FP8_NATIVE"] else {80}), v.name
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import torch
 
 from layerwise.kernels import fp8_quantize_weight, reference
 from layerwise.kernels.fp8_act import quantize_activation
-from layerwise.kernels.fp8_gemm import gemm_tiles, w8a8_block_gemm, w8a16_gemm
+from layerwise.kernels.fp8_gemm import GemmTiles, gemm_tiles, k_span, w8a8_block_gemm, w8a16_gemm
 
 SHAPES = [(1, 16, 32), (3, 40, 70), (17, 33, 257), (8, 130, 300)]  # (M, N, K): tails in every dim
 EPS_OUT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -68,6 +68,29 @@ def test_w8a8_block_gemm(dtype):
         assert_close_to_f64(y, x64, reference.dequantize(q, s, torch.float64), bias.double() if with_bias else None)
 
 
+SPLIT_SHAPES = [(3, 40, 70), (17, 33, 257), (8, 130, 300), (2, 24, 1000)]  # 1, 2-3 and 8 K blocks of 128
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 16])
+def test_split_k(split_k):
+    # the K blocks dealt to 2, 3 or (more splits than blocks) every block its own split; the float32
+    # partials summed by the reduction, which applies scale and bias: the same bound as unsplit
+    tiles = GemmTiles(16, 32, 128, split_k, 1, 1)
+    for i, (m, n, k) in enumerate(SPLIT_SHAPES):
+        span, splits = k_span(k, tiles)
+        assert span % 128 == 0 and (splits - 1) * span < k <= splits * span  # no split empty, K covered
+        assert splits == min(split_k, -(-k // 128))
+        for granularity in ("tensor", "channel", "block"):
+            x, q, s, bias = _operands(m, n, k, torch.bfloat16, granularity, 20 + i)
+            y = w8a16_gemm(x, q, s, bias, tiles=tiles)
+            assert_close_to_f64(y, x.double(), reference.dequantize(q, s, torch.float64), bias.double())
+        xq, xs = quantize_activation(x.half(), "group")
+        x64 = xq.double() * xs.double().repeat_interleave(128, dim=1)[:, :k]
+        y = w8a8_block_gemm(xq, xs, q, s, torch.float16, None, tiles=tiles)
+        assert y.dtype == torch.float16
+        assert_close_to_f64(y, x64, reference.dequantize(q, s, torch.float64), None)
+
+
 def test_the_bound_catches_a_wrong_result():
     x, q, s, _ = _operands(8, 130, 300, torch.bfloat16, "block", 0)
     w64 = reference.dequantize(q, s, torch.float64)
@@ -99,8 +122,8 @@ def test_tile_tables_cover_every_m():
     cuda = torch.device("cuda")
     for kind in ("w8a16", "block"):
         for m in (1, 8, 16, 17, 64, 65, 4096, 1 << 20):
-            block_m, block_n, block_k, _, _ = gemm_tiles(m, cuda, kind)
-            assert min(block_m, block_n, block_k) >= 16  # tl.dot's minimum
+            block_m, block_n, block_k, split_k, _, _ = gemm_tiles(m, cuda, kind)
+            assert min(block_m, block_n, block_k) >= 16 and split_k >= 1  # tl.dot's minimum
             if kind == "block":
                 assert block_k == 128 and 128 % block_n == 0  # one weight block per K step and column tile
 

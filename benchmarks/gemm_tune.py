@@ -1,0 +1,262 @@
+"""Tune the Triton FP8 GEMMs' launch configurations on this GPU, against cuBLAS BF16 and torch._scaled_mm.
+
+For each projection of the --size model (qkv_proj, o_proj, gate_up_proj and down_proj as [N, K]) and each
+M of --m (decode batch sizes), every candidate ``GemmTiles`` of each GEMM kind is timed: "w8a16" (per-channel
+weight scales; per tensor runs the same loop), "w8a16-block" and "w8a8-block" (``kernels.gemm_configs``).
+Each time is a CUDA graph's replay of 20 calls divided by 20, as the decode step replays them (no launch
+overhead). A candidate whose output strays from the default tiles' output (more than 2% of its largest
+value) or that does not compile is recorded with its error and never chosen. The references, timed the
+same way: F.linear in BF16 (cuBLAS), torch._scaled_mm per tensor and per row (sm89+; with and without
+the fused activation quantization), and the activation quantization alone.
+
+    python -m layerwise.benchmarks.gemm_tune --device cuda --size 8b [--m 8] [--quick] [--budget S] [--write-configs]
+
+Writes DIR/gemm_tune_<device>_<size>.json: per kind, shape and M the best and the default configuration
+(microseconds, GB/s of weight bytes read, ratio to BF16), the five fastest candidates, every error, and the
+references. --write-configs also writes ``kernels/configs/<device>.json`` (the best per kind, shape and M),
+which the GEMMs launch with from then on (``kernels.fp8_gemm.launch_tiles``). On CPU the kernels run
+interpreted on two candidates: a check of the code path, not a measurement.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
+from layerwise.benchmarks.machine import provenance
+from layerwise.benchmarks.options import add_output_arguments, benchmark_parser, write_json
+from layerwise.benchmarks.timing import graph_seconds
+from layerwise.kernels import fp8_quantize_weight
+from layerwise.kernels.fp8_act import quantize_activation
+from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, fp8_native, launch_tiles, w8a8_block_gemm, w8a16_gemm
+from layerwise.kernels.gemm_configs import KINDS, config_path, write_configs
+
+DEFAULT_M = (8,)  # the Engine's default max_batch_size: the decode step's M
+TOLERANCE = 0.02  # of the default tiles' largest |output|: split sums and FP8 tensor cores round differently
+TOP = 5  # fastest candidates kept per kind, shape and M
+
+
+def projections(spec: dict) -> dict[str, tuple[int, int]]:
+    """[N, K] of each projection of a Llama-shaped ``spec`` (q/k/v and gate/up fused, as the model runs them)."""
+    h, i = spec["hidden_size"], spec["intermediate_size"]
+    d = h // spec["num_attention_heads"]
+    q, kv = spec["num_attention_heads"] * d, spec["num_key_value_heads"] * d
+    return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+
+
+def candidates(kind: str, m: int, device: torch.device, quick: bool = False) -> list[GemmTiles]:
+    """The configurations tried for ``kind`` at ``m`` rows: BLOCK_M the next power of two of M (16 to 64);
+    column tiles 16-128, K steps 128-512 (128 for the block kinds), 1-8 splits, 3-4 stages, 4 or 8 warps
+    (--quick: a subset). CPU (interpreter): the interpreter's tile, unsplit and split in two."""
+    if device.type == "cpu":
+        return [TILES_INTERPRET, TILES_INTERPRET._replace(split_k=2)]
+    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
+    block_ns, splits, stages, warps = (
+        ((16, 64), (1, 4), (4,), (4,)) if quick else ((16, 32, 64, 128), (1, 2, 4, 8), (3, 4), (4, 8))
+    )
+    block_ks = (128,) if kind != "w8a16" else (128, 256) if quick else (128, 256, 512)
+    out = [
+        GemmTiles(block_m, n, k, s, w, st)
+        for n, k, s, st, w in itertools.product(block_ns, block_ks, splits, stages, warps)
+        if not (k == 512 and n > 32)  # a 64+ x 512 FP8 tile per stage outgrows registers once decoded
+    ]
+    return out
+
+
+def _operands(n: int, k: int, m: int, device: torch.device, seed: int) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = (0.02 * torch.randn(n, k, generator=g)).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
+    ops = {"w": w, "x": x}
+    ops["channel"] = fp8_quantize_weight(w, "channel")
+    ops["block"] = fp8_quantize_weight(w, "block")
+    ops["x_group"] = quantize_activation(x, "group")
+    return ops
+
+
+def _gemm(kind: str, ops: dict):
+    """The call of ``kind`` on ``ops`` as a function of the tiles."""
+    x, (qc, sc), (qb, sb), (xq, xs) = ops["x"], ops["channel"], ops["block"], ops["x_group"]
+    if kind == "w8a16":
+        return lambda tiles: w8a16_gemm(x, qc, sc, tiles=tiles)
+    if kind == "w8a16-block":
+        return lambda tiles: w8a16_gemm(x, qb, sb, tiles=tiles)
+    return lambda tiles: w8a8_block_gemm(xq, xs, qb, sb, torch.bfloat16, tiles=tiles)
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+
+def _references(ops: dict, device: torch.device) -> dict[str, float]:
+    """Microseconds of BF16 F.linear, torch._scaled_mm (sm89+) and the activation quantization."""
+    x, w = ops["x"], ops["w"]
+    calls = {"bf16 F.linear": lambda: F.linear(x, w)}
+    if device.type == "cuda" and fp8_native(device):
+        wt, st = fp8_quantize_weight(w, "tensor")
+        (wc, sc), (xt, xst), (xr, xsr) = (
+            ops["channel"],
+            quantize_activation(x, "tensor"),
+            quantize_activation(x, "token"),
+        )
+
+        def quantize_then_scaled_mm():
+            q, s = quantize_activation(x, "tensor")
+            return torch._scaled_mm(q, wt.t(), scale_a=s, scale_b=st, out_dtype=x.dtype)
+
+        calls["scaled_mm per tensor"] = lambda: torch._scaled_mm(xt, wt.t(), scale_a=xst, scale_b=st, out_dtype=x.dtype)
+        calls["scaled_mm per row"] = lambda: torch._scaled_mm(
+            xr, wc.t(), scale_a=xsr, scale_b=sc.t(), out_dtype=x.dtype
+        )
+        calls["act quant + scaled_mm per tensor"] = quantize_then_scaled_mm
+    for granularity in ("token", "tensor", "group"):
+        calls[f"act quant {granularity}"] = lambda g=granularity: quantize_activation(x, g)
+    out = {}
+    for name, fn in calls.items():
+        try:
+            out[name] = 1e6 * graph_seconds(fn, device)
+        except Exception as e:  # recorded: a reference this GPU or torch lacks
+            out[name] = _error(e)
+    return out
+
+
+def tune(
+    size: str,
+    device: str,
+    ms: tuple[int, ...] = DEFAULT_M,
+    kinds: tuple[str, ...] = KINDS,
+    quick: bool = False,
+    budget: float | None = None,
+) -> dict:
+    """Time every candidate of each kind on each projection and M; returns the result main writes as JSON.
+
+    ``budget``: seconds after which only the default tiles are timed (a compile takes ~1 s per configuration
+    and M specialization, so a full run at several M can outlast a device session).
+    """
+    device = torch.device(device)
+    deadline = None if budget is None else time.monotonic() + budget
+    spec = checkpoint_shape(size)
+    if device.type == "cuda" and not fp8_native(device):
+        kinds = tuple(k for k in kinds if k != "w8a8-block")  # FP8 tensor cores only
+    best, references, errors, skipped = [], [], [], 0
+    for (name, (n, k)), m in itertools.product(projections(spec).items(), ms):
+        ops = _operands(n, k, m, device, seed=n + k + m)
+        refs = _references(ops, device)
+        references.append({"shape": name, "n": n, "k": k, "m": m, "us": refs})
+        bf16_us = refs["bf16 F.linear"] if isinstance(refs["bf16 F.linear"], float) else None
+        for kind in kinds:
+            gemm = _gemm(kind, ops)
+            default = launch_tiles(kind, m, n, k, device)
+            expected = gemm(default).float()
+            limit = TOLERANCE * expected.abs().max().item()
+            timed = []
+            for tiles in dict.fromkeys([default, *candidates(kind, m, device, quick)]):
+                if deadline is not None and time.monotonic() > deadline and tiles != default:
+                    skipped += 1
+                    continue
+                try:
+                    err = (gemm(tiles).float() - expected).abs().max().item()
+                    if not err <= limit:
+                        raise ValueError(f"output off by {err:.3g} (limit {limit:.3g})")
+                    timed.append((1e6 * graph_seconds(lambda g=gemm, t=tiles: g(t), device), tiles))
+                except Exception as e:  # recorded, never chosen
+                    errors.append({"kind": kind, "shape": name, "m": m, "tiles": list(tiles), "error": _error(e)})
+            timed.sort()
+            if not timed:
+                continue  # every candidate failed: the errors say why
+            default_us = next((us for us, t in timed if t == default), None)
+            us, tiles = timed[0]
+            best.append({
+                "kind": kind, "shape": name, "n": n, "k": k, "m": m, "tiles": list(tiles), "us": us,
+                "weight_gbps": n * k / us / 1e3, "default_tiles": list(default), "default_us": default_us,
+                "over_bf16": us / bf16_us if bf16_us else None,
+                "default_over_bf16": default_us / bf16_us if bf16_us and default_us else None,
+                "top": [{"tiles": list(t), "us": u} for u, t in timed[:TOP]],
+            })  # fmt: skip
+            default_text = f"{default_us:.1f} us" if default_us else "failed"
+            print(f"  {name} [{n}, {k}] M={m} {kind}: best {us:.1f} us {tuple(tiles)}, default {default_text}",
+                  file=sys.stderr)  # fmt: skip
+    return {
+        "benchmark": "gemm_tune",
+        **provenance(device, size, spec),
+        "m": list(ms),
+        "quick": quick,
+        "projections": {name: list(nk) for name, nk in projections(spec).items()},
+        "best": best,
+        "references": references,
+        "errors": errors,
+        "skipped_over_budget": skipped,
+    }
+
+
+def best_configs(result: dict) -> dict:
+    """kind -> "N,K" -> {M: tiles fields} of a :func:`tune` result (the layout ``write_configs`` takes)."""
+    out: dict = {}
+    for row in result["best"]:
+        out.setdefault(row["kind"], {}).setdefault(f"{row['n']},{row['k']}", {})[row["m"]] = row["tiles"]
+    return out
+
+
+def table(result: dict) -> str:
+    """Plain-text table: per shape and M, BF16 and _scaled_mm against each kind's best and default (us)."""
+    refs = {(r["shape"], r["m"]): r["us"] for r in result["references"]}
+    lines = [f"{'shape':<14}{'M':>4}{'kind':>13}{'best us':>10}{'default':>10}{'bf16':>9}{'scaled_mm':>11}  tiles"]
+    for row in result["best"]:
+        ref = refs[(row["shape"], row["m"])]
+        scaled = ref.get("scaled_mm per tensor")
+
+        def num(v):
+            return f"{v:.1f}" if isinstance(v, float) else "-"
+
+        lines.append(
+            f"{row['shape']:<14}{row['m']:>4}{row['kind']:>13}{row['us']:>10.1f}{num(row['default_us']):>10}"
+            f"{num(ref.get('bf16 F.linear')):>9}{num(scaled):>11}  {tuple(row['tiles'])}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Parse ``argv``, tune, write DIR/NAME.json (and the configuration file with --write-configs), print
+    the table."""
+    parser = benchmark_parser(
+        "python -m layerwise.benchmarks.gemm_tune", __doc__, size_help="model shapes (default: 8b)"
+    )
+    parser.set_defaults(size="8b")
+    parser.add_argument(
+        "--m", default=",".join(map(str, DEFAULT_M)), metavar="M1,M2,...", help="rows of x (default: 1,8,16)"
+    )
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), metavar="K1,...", help=f"GEMM kinds (default: {','.join(KINDS)})"
+    )
+    parser.add_argument("--quick", action="store_true", help="a subset of the candidates")
+    parser.add_argument("--budget", type=float, default=None, metavar="S", help="seconds of candidates, then defaults")
+    parser.add_argument(
+        "--write-configs", action="store_true", help="write kernels/configs/<device>.json from the best"
+    )
+    add_output_arguments(parser, default_name="gemm_tune_<device>_<size>", checkpoint=False)
+    args = parser.parse_args(argv)
+    ms = tuple(sorted({int(v) for v in args.m.split(",")}))
+    kinds = tuple(args.kinds.split(","))
+    if unknown := set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS)}")
+    if args.write_configs and torch.device(args.device).type != "cuda":
+        parser.error("--write-configs needs --device cuda (interpreted times are not measurements)")
+    result = tune(args.size, args.device, ms, kinds, args.quick, args.budget)
+    path = write_json(result, args.out_dir, args.name or f"gemm_tune_{args.device}_{args.size}")
+    print(table(result))
+    print(f"written to {path}")
+    if args.write_configs:
+        target = config_path(result["device_name"])
+        keep = ("commit", "versions", "date", "size")
+        write_configs(target, result["device_name"], best_configs(result), {f: result[f] for f in keep})
+        print(f"configurations written to {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

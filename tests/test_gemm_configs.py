@@ -1,0 +1,94 @@
+"""Tuned GEMM launch configurations: the file the tuner writes, the lookup the GEMMs launch with, and the
+tuner itself (benchmarks/gemm_tune.py, run interpreted on CPU: a check of its code path, not of its times)."""
+
+import json
+
+import pytest
+import torch
+
+from layerwise.benchmarks import gemm_tune
+from layerwise.benchmarks.checkpoints import shape
+from layerwise.kernels import gemm_configs
+from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, gemm_tiles, launch_tiles
+from layerwise.kernels.gemm_configs import config_path, device_slug, write_configs
+
+GPU = "NVIDIA Test GPU 80GB HBM3"
+SMALL = gemm_tune.projections(shape("small"))  # name -> [N, K]
+CUDA = torch.device("cuda")  # a device object only: nothing runs on it here
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """Configurations stored under tmp_path for a CUDA device named GPU; returns its file's path."""
+    monkeypatch.setattr(gemm_configs, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(gemm_configs, "_device_name", lambda index: GPU)
+    yield config_path(GPU)
+    gemm_configs._load.cache_clear()
+
+
+def test_launch_tiles_take_the_tuned_configuration_of_the_shape_and_m(fake_gpu):
+    assert fake_gpu.name == "nvidia-test-gpu-80gb-hbm3.json" == device_slug(GPU) + ".json"
+    assert launch_tiles("w8a16", 1, 64, 256, CUDA) == gemm_tiles(1, CUDA, "w8a16")  # no file yet
+    best = {
+        "w8a16": {"64,256": {1: [16, 64, 128, 2, 4, 3], 8: [16, 32, 256, 4, 8, 4]}},
+        "w8a8-block": {"64,256": {16: [16, 128, 128, 8, 4, 4]}},
+    }
+    write_configs(fake_gpu, GPU, best, {"commit": "abc1234"})
+    stored = json.loads(fake_gpu.read_text())
+    assert stored["device_name"] == GPU and stored["commit"] == "abc1234"
+    assert launch_tiles("w8a16", 1, 64, 256, CUDA) == GemmTiles(16, 64, 128, 2, 4, 3)
+    for m in (2, 8):  # the first tuned M at or above M
+        assert launch_tiles("w8a16", m, 64, 256, CUDA) == GemmTiles(16, 32, 256, 4, 8, 4)
+    assert launch_tiles("w8a8-block", 3, 64, 256, CUDA) == GemmTiles(16, 128, 128, 8, 4, 4)
+    # beyond the tuned M, another shape, another kind, the CPU: the heuristic tables
+    assert launch_tiles("w8a16", 9, 64, 256, CUDA) == gemm_tiles(9, CUDA, "w8a16")
+    assert launch_tiles("w8a16", 1, 64, 512, CUDA) == gemm_tiles(1, CUDA, "w8a16")
+    assert launch_tiles("w8a16-block", 1, 64, 256, CUDA) == gemm_tiles(1, CUDA, "w8a16")
+    assert launch_tiles("w8a16", 1, 64, 256, torch.device("cpu")) == TILES_INTERPRET
+
+
+def test_a_malformed_configuration_file_is_named(fake_gpu):
+    fake_gpu.write_text(json.dumps({"configs": {"w8a16": {"64,256": {"x": [1, 2]}}}}))
+    with pytest.raises(ValueError, match="nvidia-test-gpu-80gb-hbm3.json: not a GEMM configuration file"):
+        launch_tiles("w8a16", 1, 64, 256, CUDA)
+
+
+def test_the_tuner_keeps_the_fastest_correct_candidate(monkeypatch, tmp_path):
+    # a candidate whose output is wrong (here: split in two) is recorded as an error, never chosen, even when
+    # it is the fastest
+    real = gemm_tune._gemm
+
+    def gemm_wrong_when_split(kind, ops):
+        call = real(kind, ops)
+        return lambda tiles: call(tiles) * (2 if tiles.split_k == 2 else 1)
+
+    monkeypatch.setattr(gemm_tune, "_gemm", gemm_wrong_when_split)
+    result = gemm_tune.tune("small", "cpu", ms=(8,), kinds=("w8a16",))
+    assert [(r["shape"], r["m"]) for r in result["best"]] == [(s, 8) for s in SMALL]
+    for row in result["best"]:
+        assert row["tiles"] == list(TILES_INTERPRET) == row["default_tiles"] and row["us"] == row["default_us"] > 0
+        assert row["weight_gbps"] == pytest.approx(row["n"] * row["k"] / row["us"] / 1e3)
+    assert len(result["errors"]) == 4 and all("output off by" in e["error"] for e in result["errors"])
+    assert {e["tiles"][3] for e in result["errors"]} == {2}
+    refs = result["references"][0]["us"]
+    assert refs["bf16 F.linear"] > 0 and refs["act quant token"] > 0
+    configs = gemm_tune.best_configs(result)
+    assert configs == {"w8a16": {f"{n},{k}": {8: list(TILES_INTERPRET)} for n, k in SMALL.values()}}
+
+
+def test_tuner_command_line(tmp_path, capsys):
+    common = ["--device", "cpu", "--size", "small", "--out-dir", str(tmp_path)]
+    gemm_tune.main([*common, "--m", "1", "--kinds", "w8a8-block"])
+    result = json.loads((tmp_path / "gemm_tune_cpu_small.json").read_text())
+    assert result["m"] == [1] and {r["kind"] for r in result["best"]} == {"w8a8-block"}
+    assert not result["errors"] and "w8a8-block" in capsys.readouterr().out
+    for argv in (["--kinds", "w4a16"], ["--write-configs"]):  # --write-configs: times from a GPU only
+        with pytest.raises(SystemExit) as exit_info:
+            gemm_tune.main([*common, *argv])
+        assert exit_info.value.code == 2
+
+
+def test_the_tuner_times_only_the_defaults_past_its_budget():
+    result = gemm_tune.tune("small", "cpu", ms=(8,), kinds=("w8a16",), budget=0)
+    assert result["skipped_over_budget"] == len(SMALL)  # the one split candidate of each shape
+    assert all(row["tiles"] == row["default_tiles"] and len(row["top"]) == 1 for row in result["best"])
