@@ -13,11 +13,14 @@ its error; the others still run. All run in one fresh process that prints each r
     python -m layerwise.benchmarks.decode_step [--size small|default|0.9b|8b] [--device cpu|cuda]
         [--configs none,fp8-per-tensor/w8a8,...] [--batch 8] [--steps N] [--timeout S] [--out-dir DIR]
 
-Writes DIR/<name>.json (ms per step, ratio to BF16, where it ran) and prints the table.
+Writes DIR/<name>.json (ms per step, ratio to BF16, where it ran) and prints the table. On CUDA (or with
+--profile) each row also breaks one eager step's device time down into GEMMs, activation quantization,
+attention and the rest, with its largest kernels (``benchmarks/step_profile.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
@@ -38,6 +41,7 @@ from layerwise.benchmarks.options import (
     write_json,
 )
 from layerwise.benchmarks.readme import decode_table
+from layerwise.benchmarks.step_profile import profile_step
 from layerwise.benchmarks.timing import times
 from layerwise.benchmarks.workers import WorkerResult, run_worker
 
@@ -75,8 +79,18 @@ def _step_times(engine, position: int, warmup: int, steps: int) -> list[float]:
         return times(step, engine.device, warmup + steps)[warmup:]
 
 
-def worker(path: str, device: str, configs: list[str], batch: int, max_seq_len: int, warmup: int, steps: int):
-    """Yields one row per configuration: median ms per decode step (or the error that stopped it)."""
+def worker(
+    path: str,
+    device: str,
+    configs: list[str],
+    batch: int,
+    max_seq_len: int,
+    warmup: int,
+    steps: int,
+    profile: bool = False,
+):
+    """Yields one row per configuration: median ms per decode step (or the error that stopped it), and with
+    ``profile`` where the step's time goes (``step_profile.profile_step`` of the eager step)."""
     import layerwise
     from layerwise.engine import Engine
 
@@ -101,6 +115,9 @@ def worker(path: str, device: str, configs: list[str], batch: int, max_seq_len: 
                 bf16_ms = row["ms"]
             if bf16_ms is not None:
                 row["over_bf16"] = row["ms"] / bf16_ms
+            if profile:
+                with torch.inference_mode(), engine.weight_update_lock():
+                    row["profile"] = profile_step(engine._decode_step, device)
         except Exception as e:  # recorded; the next configuration still runs
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         engine = model = None
@@ -121,17 +138,20 @@ def run(
     max_seq_len: int = 256,
     timeout: float | None = None,
     skipped: dict[str, str] | None = None,
+    profile: bool | None = None,
 ) -> dict:
     """Time the decode step of each configuration on the ``size`` checkpoint (generated under ``cache`` if
     needed) in one fresh process cut off after ``timeout`` seconds; returns the result that main writes as
-    JSON (``skipped``: configuration -> why it was not run, recorded as such)."""
+    JSON (``skipped``: configuration -> why it was not run, recorded as such; ``profile``: break each step
+    down by kernel category, default on CUDA only)."""
     path = make_checkpoint(size, cache, device=device, verbose=True)
     configs = CONFIGS if configs is None else configs
     skipped = skipped or {}
     todo = [c for c in configs if c not in skipped]
     kwargs = dict(
-        path=str(path), device=device, configs=todo, batch=batch, max_seq_len=max_seq_len, warmup=warmup, steps=steps
-    )
+        path=str(path), device=device, configs=todo, batch=batch, max_seq_len=max_seq_len, warmup=warmup, steps=steps,
+        profile=torch.device(device).type == "cuda" if profile is None else profile,
+    )  # fmt: skip
     out = run_worker("decode_step", "worker", kwargs, timeout) if todo else WorkerResult()
     rows = out.rows
     done = {r["config"] for r in rows}
@@ -170,6 +190,12 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=positive_int, default=5, help="untimed steps first (default: 5)")
     parser.add_argument("--max-seq-len", type=positive_int, default=256, help="KV cache length (default: 256)")
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds the run may take")
+    parser.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time per kernel category of each step (default: on CUDA)",
+    )
     add_output_arguments(parser, default_name="decode_step_<device>_<size>")
     args = parser.parse_args(argv)
     configs = args.configs.split(",")
@@ -187,6 +213,7 @@ def main(argv=None) -> int:
         args.warmup,
         args.max_seq_len,
         args.timeout,
+        profile=args.profile,
     )
     path = write_json(result, args.out_dir, args.name or f"decode_step_{args.device}_{args.size}")
     print(decode_table(result))

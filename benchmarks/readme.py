@@ -111,14 +111,27 @@ def reload_latency_table(result: dict) -> str:
 
 
 def decode_table(result: dict) -> str:
-    """Markdown table of a decode_step result: median ms per step and the ratio to BF16 per configuration."""
+    """Markdown table of a decode_step result: median ms per step and the ratio to BF16 per configuration, and
+    where the rows were profiled, one eager step's time per category (``step_profile``)."""
+    profiled = any("profile" in r for r in result["results"])
     lines = ["| scheme | fp8 mode | ms / step | / bf16 |", "|---|---|---:|---:|"]
+    if profiled:
+        lines[0] += " eager step: GEMM / act quant / attention / other, ms |"
+        lines[1] += "---|"
     for r in result["results"]:
         scheme, _, mode = r["config"].partition("/")
         if "error" in r:
-            lines.append(f"| {scheme} | {mode or 'auto'} | did not run: {r['error'][:80]} | |")
+            lines.append(
+                f"| {scheme} | {mode or 'auto'} | did not run: {r['error'][:80]} | |" + (" |" if profiled else "")
+            )
             continue
-        lines.append(f"| {scheme} | {mode or 'auto'} | {r['ms']:.2f} | {_f(r.get('over_bf16'))} |")
+        line = f"| {scheme} | {mode or 'auto'} | {r['ms']:.2f} | {_f(r.get('over_bf16'))} |"
+        if profiled:
+            ms = r.get("profile", {}).get("ms_per_step")
+            line += (
+                f" {' / '.join(f'{ms[c]:.2f}' for c in ('gemm', 'act_quant', 'attention', 'other'))} |" if ms else " |"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

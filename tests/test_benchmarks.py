@@ -255,7 +255,7 @@ def test_tp_load_small_reads_a_share_per_rank(tmp_path):
 def test_decode_step_small_median_ms_and_ratio_to_bf16(tmp_path):
     from layerwise.benchmarks import decode_step
 
-    args = ["--size", "small", "--configs", "none,fp8-per-tensor/w8a16", "--steps", "2", "--warmup", "1"]
+    args = ["--size", "small", "--configs", "none,fp8-per-tensor/w8a16", "--steps", "2", "--warmup", "1", "--profile"]
     assert decode_step.main([*args, "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]) == 0
     result = json.loads((tmp_path / "decode_step_cpu_small.json").read_text())
     _check_provenance(result, "cpu", "small")
@@ -267,6 +267,35 @@ def test_decode_step_small_median_ms_and_ratio_to_bf16(tmp_path):
     assert (fp8["scheme"], fp8["fp8_mode"], fp8["steps"], fp8["cuda_graph"]) == ("fp8-per-tensor", "w8a16", 2, False)
     assert fp8["ms"] >= fp8["min_ms"] > 0 and bf16["over_bf16"] == 1.0
     assert fp8["over_bf16"] == fp8["ms"] / bf16["ms"]
+    for row in (bf16, fp8):  # --profile: the eager step's CPU operators (4 layers x 4 projections, lm_head)
+        profile = row["profile"]
+        assert profile["source"] == "CPU operators, self time"
+        assert set(profile["ms_per_step"]) == {"gemm", "act_quant", "attention", "other"}
+        assert profile["ms_per_step"]["gemm"] > 0 and profile["ms_per_step"]["act_quant"] == 0
+        assert profile["total_ms"] == pytest.approx(sum(profile["ms_per_step"].values()))
+        mm = next(t for t in profile["top"] if t["name"] == "aten::mm")
+        assert mm["calls"] == 4 * 4 + 1 and mm["category"] == "gemm"
+    assert readme.decode_table(result).splitlines()[0].endswith("GEMM / act quant / attention / other, ms |")
+
+
+def test_step_profile_categories_of_real_kernel_names():
+    from layerwise.benchmarks.step_profile import category
+
+    names = {  # kernel names of an H100 trace (cuBLAS, cuBLASLt FP8, CUTLASS, Triton, SDPA, elementwise)
+        "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT": "gemm",
+        "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize64x64x128_warpgroupsize1x1x1": "gemm",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>": "gemm",
+        "_w8a16_gemm_kernel": "gemm",
+        "_split_k_reduce_kernel": "gemm",
+        "_act_quant_token_kernel": "act_quant",
+        "_act_amax_kernel": "act_quant",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)": "attention",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>(Flash_fwd_params)": "attention",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "other",
+        "void at::native::index_elementwise_kernel<128, 4>": "other",
+        "aten::rms_norm": "other",
+    }
+    assert {name: category(name) for name in names} == names
 
 
 def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_path, monkeypatch):
