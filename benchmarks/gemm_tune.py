@@ -2,7 +2,8 @@
 
 For each projection of the --size model (qkv_proj, o_proj, gate_up_proj and down_proj as [N, K]) and each
 M of --m (decode batch sizes), every candidate ``GemmTiles`` of each GEMM kind is timed: "w8a16" (per-channel
-weight scales; per tensor runs the same loop), "w8a16-block" and "w8a8-block" (``kernels.gemm_configs``).
+weight scales; per tensor runs the same loop), "w8a16-block", "w8a8-block" and "w8a8" (per-channel weights,
+per-token activations: the Triton alternative to ``torch._scaled_mm``) (``kernels.gemm_configs``).
 Each time is a CUDA graph's replay of 20 calls divided by 20, as the decode step replays them (no launch
 overhead). A candidate whose output strays from the default tiles' output (more than 2% of its largest
 value) or that does not compile is recorded with its error and never chosen. The references, timed the
@@ -33,7 +34,7 @@ from layerwise.benchmarks.options import add_output_arguments, benchmark_parser,
 from layerwise.benchmarks.timing import graph_seconds
 from layerwise.kernels import fp8_quantize_weight
 from layerwise.kernels.fp8_act import quantize_activation
-from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, fp8_native, launch_tiles, w8a8_block_gemm, w8a16_gemm
+from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, fp8_native, launch_tiles, w8a8_gemm, w8a16_gemm
 from layerwise.kernels.gemm_configs import KINDS, config_path, write_configs
 
 DEFAULT_M = (8,)  # the Engine's default max_batch_size: the decode step's M
@@ -76,17 +77,20 @@ def _operands(n: int, k: int, m: int, device: torch.device, seed: int) -> dict:
     ops["channel"] = fp8_quantize_weight(w, "channel")
     ops["block"] = fp8_quantize_weight(w, "block")
     ops["x_group"] = quantize_activation(x, "group")
+    ops["x_token"] = quantize_activation(x, "token")
     return ops
 
 
 def _gemm(kind: str, ops: dict):
     """The call of ``kind`` on ``ops`` as a function of the tiles."""
-    x, (qc, sc), (qb, sb), (xq, xs) = ops["x"], ops["channel"], ops["block"], ops["x_group"]
+    x, (qc, sc), (qb, sb), (xg, xgs), (xt, xts) = (ops[k] for k in ("x", "channel", "block", "x_group", "x_token"))
     if kind == "w8a16":
         return lambda tiles: w8a16_gemm(x, qc, sc, tiles=tiles)
     if kind == "w8a16-block":
         return lambda tiles: w8a16_gemm(x, qb, sb, tiles=tiles)
-    return lambda tiles: w8a8_block_gemm(xq, xs, qb, sb, torch.bfloat16, tiles=tiles)
+    if kind == "w8a8-block":
+        return lambda tiles: w8a8_gemm(xg, xgs, qb, sb, torch.bfloat16, tiles=tiles)
+    return lambda tiles: w8a8_gemm(xt, xts, qc, sc, torch.bfloat16, tiles=tiles)
 
 
 def _error(e: Exception) -> str:
@@ -142,7 +146,7 @@ def tune(
     deadline = None if budget is None else time.monotonic() + budget
     spec = checkpoint_shape(size)
     if device.type == "cuda" and not fp8_native(device):
-        kinds = tuple(k for k in kinds if k != "w8a8-block")  # FP8 tensor cores only
+        kinds = tuple(k for k in kinds if not k.startswith("w8a8"))  # FP8 tensor cores only
     best, references, errors, skipped = [], [], [], 0
     for (name, (n, k)), m in itertools.product(projections(spec).items(), ms):
         ops = _operands(n, k, m, device, seed=n + k + m)
@@ -194,10 +198,22 @@ def tune(
     }
 
 
+SCALED_MM = ("scaled_mm per tensor", "scaled_mm per row")  # what "w8a8" replaces where it is faster
+
+
 def best_configs(result: dict) -> dict:
-    """kind -> "N,K" -> {M: tiles fields} of a :func:`tune` result (the layout ``write_configs`` takes)."""
+    """kind -> "N,K" -> {M: tiles fields} of a :func:`tune` result (the layout ``write_configs`` takes).
+
+    Kind "w8a8" is kept only where its best beat both ``torch._scaled_mm`` references (per tensor, per row):
+    elsewhere the forward keeps calling ``_scaled_mm``.
+    """
+    refs = {(r["shape"], r["m"]): r["us"] for r in result["references"]}
     out: dict = {}
     for row in result["best"]:
+        if row["kind"] == "w8a8":
+            scaled_mm = [refs[(row["shape"], row["m"])].get(name) for name in SCALED_MM]
+            if not all(isinstance(us, float) and row["us"] < us for us in scaled_mm):
+                continue
         out.setdefault(row["kind"], {}).setdefault(f"{row['n']},{row['k']}", {})[row["m"]] = row["tiles"]
     return out
 

@@ -9,11 +9,13 @@ FP8 weight bytes and their float32 scales inside the K loop:
   per-tensor / per-channel scales multiply the accumulator once at the end, per-block scales each
   K block's partial product (BLOCK_K = 128 then). For GPUs without FP8 tensor cores (sm_80) the
   bytes are decoded with integer ops (``triton_common.e4m3_value``); sm_89+ convert in hardware.
-* :func:`w8a8_block_gemm` (DeepSeek-V3's block-scaled FP8 GEMM, as vLLM's w8a8_block_fp8_matmul):
-  x quantized per token group of 128 (``kernels.fp8_act``, scales [M, ceil(K/128)]), W per 128 x 128
-  block; each K step of 128 is one FP8 ``tl.dot`` (sm_89+) whose float32 result is multiplied by
-  the token-group scales (rows) and the block scales (columns) before it joins the accumulator:
-  acc += dot(xq, wq^T) * xs[:, k] * ws[n // 128, k].
+* :func:`w8a8_gemm` (both operands e4m3, FP8 ``tl.dot`` on sm_89+). Per-block weights (DeepSeek-V3's
+  block-scaled GEMM, as vLLM's w8a8_block_fp8_matmul): x quantized per token group of 128
+  (``kernels.fp8_act``, scales [M, ceil(K/128)]); each K step of 128 is one ``tl.dot`` whose float32
+  result is multiplied by the token-group scales (rows) and the block scales (columns) before it joins
+  the accumulator: acc += dot(xq, wq^T) * xs[:, k] * ws[n // 128, k]. Per-channel / per-tensor weights
+  with per-token / per-tensor x: acc * xs[:, None] * ws[None, :] once at the end (``torch._scaled_mm``'s
+  arithmetic; ``quant.fp8`` launches this instead only where a tuned configuration beat it).
 
 Tiling (``launch_tiles``): a configuration tuned on this GPU for the shape and M where
 ``kernels.gemm_configs`` stores one (``python -m layerwise.benchmarks.gemm_tune``), else the
@@ -76,8 +78,8 @@ W8A16_TILES_CUDA = (
     (64, GemmTiles(64, 32, 128, 1, 4, 4)),
     (None, GemmTiles(64, 64, 128, 1, 4, 3)),
 )
-# block-scaled W8A8 (BLOCK_K is the 128 of the block)
-W8A8_BLOCK_TILES_CUDA = (
+# W8A8 (per block, BLOCK_K is forced to the 128 of the block)
+W8A8_TILES_CUDA = (
     (16, GemmTiles(16, 16, 128, 1, 4, 4)),
     (32, GemmTiles(32, 32, 128, 1, 4, 4)),
     (64, GemmTiles(64, 64, 128, 1, 4, 3)),
@@ -88,23 +90,27 @@ REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 
 
 def gemm_tiles(m: int, device: torch.device, kind: str) -> GemmTiles:
-    """The default tiles for ``m`` rows of x on ``device``; kind "w8a16" or "block"."""
+    """The default tiles for ``m`` rows of x on ``device``; kind "w8a16" or "w8a8" (either scale layout)."""
     if device.type == "cpu":
         return TILES_INTERPRET
-    table = W8A16_TILES_CUDA if kind == "w8a16" else W8A8_BLOCK_TILES_CUDA
+    table = W8A16_TILES_CUDA if kind == "w8a16" else W8A8_TILES_CUDA
     for max_m, tiles in table:
         if max_m is None or m <= max_m:
             return tiles
     raise AssertionError("unreachable: the last row takes any M")
 
 
-def launch_tiles(kind: str, m: int, n: int, k: int, device: torch.device) -> GemmTiles:
-    """The tiles a GEMM of ``kind`` ("w8a16", "w8a16-block" or "w8a8-block", see ``kernels.gemm_configs``)
-    launches with: the tuned configuration of this GPU and shape where one is stored, else :func:`gemm_tiles`."""
+def tuned_tiles(kind: str, m: int, n: int, k: int, device: torch.device) -> GemmTiles | None:
+    """The configuration tuned on this GPU for a GEMM of ``kind`` (one of ``kernels.gemm_configs.KINDS``) and
+    shape, or None where none is stored (and on CPU)."""
     fields = tuned_fields(kind, n, k, m, device)
-    if fields is not None:
-        return GemmTiles(*fields)
-    return gemm_tiles(m, device, "block" if kind == "w8a8-block" else "w8a16")
+    return None if fields is None else GemmTiles(*fields)
+
+
+def launch_tiles(kind: str, m: int, n: int, k: int, device: torch.device) -> GemmTiles:
+    """The tiles a GEMM of ``kind`` launches with: :func:`tuned_tiles` where stored, else :func:`gemm_tiles`."""
+    tuned = tuned_tiles(kind, m, n, k, device)
+    return tuned or gemm_tiles(m, device, "w8a8" if kind.startswith("w8a8") else "w8a16")
 
 
 def k_span(k: int, tiles: GemmTiles) -> tuple[int, int]:
@@ -251,7 +257,7 @@ def _split_k_reduce_kernel(
     store_out(out_ptr, offs, acc, mask, OUT_BF16)
 
 
-def _w8a8_block_gemm_kernel(
+def _w8a8_gemm_kernel(
     xq_ptr,
     x_scale_ptr,
     w_ptr,
@@ -267,18 +273,22 @@ def _w8a8_block_gemm_kernel(
     k_split,
     OUT_BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # SPLIT as in _w8a16_gemm_kernel; the partials are already scaled (the reduction adds the bias)
+    # SCALE_MODE 2 (per block): x per token group [m, x_scale_cols], W per 128 x 128 block [., w_scale_cols],
+    # both applied to each K step of 128. Otherwise both scales multiply the finished product once:
+    # x_scale_cols / w_scale_cols are then the scales' strides along rows / columns (0: one scale, 1: one each).
+    # SPLIT as in _w8a16_gemm_kernel; the partials are already scaled (the reduction adds the bias).
     rm, rn, split = program_tile(m, n, BLOCK_M, BLOCK_N)
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, k)
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K == 128: one token group and one weight block column
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(xq_ptr + (rm[:, None] * k + rk[None, :]), mask=(rm[:, None] < m) & (rk[None, :] < k), other=0)
         b = tl.load(w_ptr + (rn[None, :] * k + rk[:, None]), mask=(rk[:, None] < k) & (rn[None, :] < n), other=0)
@@ -288,9 +298,16 @@ def _w8a8_block_gemm_kernel(
             a32 = e4m3_value(a.to(tl.int32))
             b32 = e4m3_value(b.to(tl.int32))
             part = tl.dot(a32, b32, input_precision="ieee", out_dtype=tl.float32)
-        xs = tl.load(x_scale_ptr + (rm * x_scale_cols + k0 // BLOCK_K), mask=rm < m, other=0.0)
-        ws = tl.load(w_scale_ptr + ((rn // 128) * w_scale_cols + k0 // 128), mask=rn < n, other=0.0)
-        acc += part * xs[:, None] * ws[None, :]
+        if SCALE_MODE == 2:  # BLOCK_K == 128: one token group and one weight block column
+            xs = tl.load(x_scale_ptr + (rm * x_scale_cols + k0 // BLOCK_K), mask=rm < m, other=0.0)
+            ws = tl.load(w_scale_ptr + ((rn // 128) * w_scale_cols + k0 // 128), mask=rn < n, other=0.0)
+            acc += part * xs[:, None] * ws[None, :]
+        else:
+            acc += part
+    if SCALE_MODE != 2:
+        xs = tl.load(x_scale_ptr + rm * x_scale_cols, mask=rm < m, other=0.0)
+        ws = tl.load(w_scale_ptr + rn * w_scale_cols, mask=rn < n, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
     if SPLIT:
         store_partial(partial_ptr, split, rm, rn, acc, m, n)
     else:
@@ -406,7 +423,7 @@ def w8a16_gemm(
     return out
 
 
-def w8a8_block_gemm(
+def w8a8_gemm(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
     weight: torch.Tensor,
@@ -415,34 +432,45 @@ def w8a8_block_gemm(
     bias: torch.Tensor | None = None,
     tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
-    """y = (xq * x_scale) @ (weight * weight_scale)^T + bias, block-scaled FP8 (DeepSeek-V3 scheme).
+    """y = (xq * x_scale) @ (weight * weight_scale)^T + bias, both operands FP8 (e4m3 tensor cores).
+
+    Scale layouts, by the weight's:
+
+    * per 128 x 128 block (DeepSeek-V3; vLLM's w8a8_block_fp8_matmul): weight_scale [ceil(N/128),
+      ceil(K/128)] (``weight_scale_inv``) and x_scale [M, ceil(K/128)], one per token group of 128
+      (``quantize_activation(x, "group")``), applied to each K step of 128;
+    * per channel [N, 1] or per tensor [1], with x_scale per token [M, 1] or per tensor [1]: both
+      multiply the finished float32 product once (what ``torch._scaled_mm`` computes).
 
     Args:
-        xq: contiguous float8_e4m3fn [M, K] (``kernels.fp8_act.quantize_activation(x, "group")``).
-        x_scale: float32 [M, ceil(K/128)], one scale per row and 128 columns.
-        weight: contiguous float8_e4m3fn [N, K].
-        weight_scale: float32 [ceil(N/128), ceil(K/128)] (``weight_scale_inv``).
+        xq: contiguous float8_e4m3fn [M, K]; weight: contiguous float8_e4m3fn [N, K]; scales float32.
         out_dtype: bf16 or fp16.
         bias: optional [N] in out_dtype.
-        tiles: the launch configuration; default :func:`launch_tiles` (BLOCK_K is forced to 128, BLOCK_N
-            to at most 128).
+        tiles: the launch configuration; default :func:`launch_tiles` (kind "w8a8-block" or "w8a8"; per-block
+            scales force BLOCK_K = 128 and BLOCK_N <= 128).
     Returns:
         [M, N] in out_dtype, float32 accumulation.
     Raises:
         RuntimeError: a CUDA device below sm_89 (no e4m3 tensor cores; use :func:`w8a16_gemm`).
-        TypeError / ValueError: dtypes or shapes the kernel does not take.
+        TypeError / ValueError: dtypes, shapes or scale layouts the kernel does not take.
     """
-    _check_gemm_inputs(xq, weight, "w8a8_block_gemm")
+    _check_gemm_inputs(xq, weight, "w8a8_gemm")
     (m, k), n = xq.shape, weight.shape[0]
-    groups = triton.cdiv(k, GROUP_SIZE)
-    if xq.dtype != FP8_DTYPE or not xq.is_contiguous() or tuple(x_scale.shape) != (m, groups):
-        raise TypeError(f"w8a8_block_gemm: xq must be contiguous {FP8_DTYPE} with x_scale [{m}, {groups}]")
-    if tuple(weight_scale.shape) != (triton.cdiv(n, BLOCK_SIZE[0]), triton.cdiv(k, BLOCK_SIZE[1])):
-        raise ValueError(f"w8a8_block_gemm: weight_scale of shape {tuple(weight_scale.shape)} is not per 128 x 128")
+    granularity = scale_layout(weight, weight_scale)
+    if xq.dtype != FP8_DTYPE or not xq.is_contiguous():
+        raise TypeError(f"w8a8_gemm: xq must be a contiguous {FP8_DTYPE} tensor, got {xq.dtype}")
+    if granularity == "block":
+        x_cols, w_cols = triton.cdiv(k, GROUP_SIZE), weight_scale.shape[1]
+        if tuple(x_scale.shape) != (m, x_cols):
+            raise TypeError(f"w8a8_gemm: per-block weights need x_scale [{m}, {x_cols}], got {tuple(x_scale.shape)}")
+    else:
+        x_cols, w_cols = (0 if x_scale.numel() == 1 else 1), SCALE_MODES[granularity]  # strides: 0 one, 1 each
+        if x_scale.numel() != 1 and tuple(x_scale.shape) != (m, 1):
+            raise TypeError(f"w8a8_gemm: x_scale must be [{m}, 1] or one element, got {tuple(x_scale.shape)}")
     if out_dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"w8a8_block_gemm: out_dtype must be bf16 or fp16, got {out_dtype}")
+        raise TypeError(f"w8a8_gemm: out_dtype must be bf16 or fp16, got {out_dtype}")
     if xq.device.type == "cuda" and not fp8_native(xq.device):
-        raise RuntimeError("w8a8_block_gemm needs FP8 tensor cores (sm_89+); use w8a16_gemm")
+        raise RuntimeError("w8a8_gemm needs FP8 tensor cores (sm_89+); use w8a16_gemm")
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
@@ -451,24 +479,28 @@ def w8a8_block_gemm(
     weight_scale = weight_scale.to(torch.float32).contiguous()
     bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else None
     out_bits = as_kernel_input(out)[0]
-    tiles = _fit_block(tiles or launch_tiles("w8a8-block", m, n, k, xq.device))
+    tiles = tiles or launch_tiles("w8a8-block" if granularity == "block" else "w8a8", m, n, k, xq.device)
+    if granularity == "block":
+        tiles = _fit_block(tiles)
     _run(
-        _w8a8_block_gemm_kernel, xq.device, m, n, k, tiles,
+        _w8a8_gemm_kernel, xq.device, m, n, k, tiles,
         (xq.view(torch.uint8), x_scale.to(torch.float32).contiguous(), weight.view(torch.uint8), weight_scale,
          bias_bits if bias is not None else out_bits, out_bits),
-        (groups, weight_scale.shape[1]), (weight_scale, bias_bits, out, SCALE_MODES["block"]),
-        OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, FP8_NATIVE=xq.device.type == "cuda",
+        (x_cols, w_cols), (weight_scale, bias_bits, out, SCALE_MODES["block"]),
+        OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, SCALE_MODE=SCALE_MODES[granularity],
+        FP8_NATIVE=xq.device.type == "cuda",
     )  # fmt: skip
     return out
 
 
 __all__ = [
     "W8A16_TILES_CUDA",
-    "W8A8_BLOCK_TILES_CUDA",
+    "W8A8_TILES_CUDA",
     "GemmTiles",
     "gemm_tiles",
     "k_span",
     "launch_tiles",
+    "tuned_tiles",
     "w8a16_gemm",
-    "w8a8_block_gemm",
+    "w8a8_gemm",
 ]

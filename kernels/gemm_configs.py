@@ -10,7 +10,7 @@ File ``configs/<device slug>.json`` (slug: :func:`device_slug` of ``torch.cuda.g
 
     {"device_name": "NVIDIA H100 80GB HBM3", "commit": ..., "versions": {...},
      "configs": {"w8a16": {"6144,4096": {"16": [16, 64, 256, 4, 4, 4], ...}, ...},
-                 "w8a16-block": {...}, "w8a8-block": {...}}}
+                 "w8a16-block": {...}, "w8a8-block": {...}, "w8a8": {...}}}
 
 Under each kind and "N,K", the key is the largest M a configuration was tuned for (the rows are
 :class:`kernels.fp8_gemm.GemmTiles` fields in order); M takes the first key >= M, and M beyond the
@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-KINDS = ("w8a16", "w8a16-block", "w8a8-block")  # W8A16 per tensor/channel, W8A16 per block, block-scaled W8A8
+# W8A16 per tensor / channel, W8A16 per block, W8A8 per block, W8A8 per tensor / channel. "w8a8" is stored only
+# where it beat torch._scaled_mm, which quant.fp8 runs otherwise
+KINDS = ("w8a16", "w8a16-block", "w8a8-block", "w8a8")
 
 
 def device_slug(name: str) -> str:

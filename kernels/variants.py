@@ -27,10 +27,10 @@ from layerwise.kernels.fp8_act import (
 )
 from layerwise.kernels.fp8_gemm import (
     REDUCE_BLOCK,
-    W8A8_BLOCK_TILES_CUDA,
+    W8A8_TILES_CUDA,
     W8A16_TILES_CUDA,
     _split_k_reduce_kernel,
-    _w8a8_block_gemm_kernel,
+    _w8a8_gemm_kernel,
     _w8a16_gemm_kernel,
     dot_dtype,
 )
@@ -186,17 +186,20 @@ def gemm_variants() -> Iterator[KernelVariant]:
         ("w8a16", bf16, t, g, "i32", False, True, (90,), False, False) for t in (1, 2, 3) for g in ("channel", "block")
     ]
     specs += [
-        ("block", bf16, 0, "block", "i32", True, True, (89, 90), False, False),
-        ("block", bf16, 0, "block", "i32", True, False, (90,), False, False),
-        ("block", bf16, 0, "block", "i64", False, True, (90,), False, False),
-        ("block", fp16, 0, "block", "i32", False, True, (90,), False, False),
-        ("block", bf16, 0, "block", "i32", False, True, (90,), False, True),
+        ("w8a8", bf16, 0, "block", "i32", True, True, (89, 90), False, False),
+        ("w8a8", bf16, 0, "block", "i32", True, False, (90,), False, False),
+        ("w8a8", bf16, 0, "block", "i64", False, True, (90,), False, False),
+        ("w8a8", fp16, 0, "block", "i32", False, True, (90,), False, False),
+        ("w8a8", bf16, 0, "block", "i32", False, True, (90,), False, True),
+        ("w8a8", bf16, 0, "channel", "i32", True, True, (89, 90), False, False),
+        ("w8a8", bf16, 0, "tensor", "i32", False, True, (90,), False, False),
+        ("w8a8", bf16, 0, "channel", "i32", False, True, (90,), False, True),
     ]
-    specs += [("block", bf16, t, "block", "i32", False, True, (90,), False, False) for t in (1, 2, 3)]
+    specs += [("w8a8", bf16, t, "block", "i32", False, True, (90,), False, False) for t in (1, 2, 3)]
     cuda = torch.device("cuda")
     for kind, dtype, t, granularity, index_type, has_bias, aligned, fp8_targets, sm80, split in specs:
         name, ptr, is_bf16 = str(dtype)[6:], POINTER_TYPES[dtype], dtype == torch.bfloat16
-        table = W8A16_TILES_CUDA if kind == "w8a16" else W8A8_BLOCK_TILES_CUDA
+        table = W8A16_TILES_CUDA if kind == "w8a16" else W8A8_TILES_CUDA
         tiles = table[t][1]
         block_m, block_n, block_k = tiles.block_m, tiles.block_n, tiles.block_k
         if granularity == "block":
@@ -221,22 +224,22 @@ def gemm_variants() -> Iterator[KernelVariant]:
                     fn, _signature(fn, types, const), const, targets, options, alignment if aligned else (),
                 )  # fmt: skip
         else:
-            fn, alignment = _w8a8_block_gemm_kernel, W8A8_BLOCK_ALIGNED
+            fn, alignment = _w8a8_gemm_kernel, W8A8_ALIGNED
             types = dict(sizes, xq_ptr="*u8", x_scale_ptr="*fp32", w_ptr="*u8", w_scale_ptr="*fp32")
             types.update(bias_ptr=ptr, out_ptr=ptr, partial_ptr="*fp32")
             types.update(x_scale_cols=index_type, w_scale_cols=index_type)
             const = dict(
-                OUT_BF16=is_bf16, HAS_BIAS=has_bias, FP8_NATIVE=True, SPLIT=split, BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_K=block_k,
+                OUT_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[granularity], FP8_NATIVE=True,
+                SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             )  # fmt: skip
             yield KernelVariant(
-                f"w8a8_block_gemm[{name},{label}{',aligned' if aligned else ''}]",
+                f"w8a8_gemm[{name},{granularity},{label}{',aligned' if aligned else ''}]",
                 fn, _signature(fn, types, const), const, fp8_targets, options, alignment if aligned else (),
             )  # fmt: skip
     fn = _split_k_reduce_kernel
     for dtype in ACT_DTYPES:
-        types = dict(partial_ptr="*fp32", scale_ptr="*fp32", bias_ptr=POINTER_TYPES[dtype], out_ptr=POINTER_TYPES[dtype])
-        types.update(m="i32", n="i32", splits="i32")
+        ptr = POINTER_TYPES[dtype]
+        types = dict(partial_ptr="*fp32", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr, m="i32", n="i32", splits="i32")
         for granularity, mode in SCALE_MODES.items():
             const = dict(OUT_BF16=dtype == torch.bfloat16, HAS_BIAS=True, SCALE_MODE=mode, BLOCK=REDUCE_BLOCK)
             yield KernelVariant(
@@ -249,6 +252,6 @@ def gemm_variants() -> Iterator[KernelVariant]:
 # K columns of a split, is a multiple of BLOCK_K always (without it the K loop's start has no known alignment
 # and its loads are neither vectorized nor pipelined)
 W8A16_ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "partial_ptr", "n", "k", "k_split")
-W8A8_BLOCK_ALIGNED = (
+W8A8_ALIGNED = (
     "xq_ptr", "x_scale_ptr", "w_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "partial_ptr", "n", "k", "k_split",
 )  # fmt: skip

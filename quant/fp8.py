@@ -261,13 +261,13 @@ class Fp8LinearMethod(QuantMethod):
         GEMM) for at most ``W8A16_GEMM_MAX_M`` rows; None beyond, so the caller dequantizes + ``F.linear``.
         """
         from layerwise.kernels.fp8_act import quantize_activation  # needs triton: imported on CUDA only
-        from layerwise.kernels.fp8_gemm import fp8_native, w8a8_block_gemm, w8a16_gemm
+        from layerwise.kernels.fp8_gemm import fp8_native, w8a8_gemm, w8a16_gemm
 
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         bias = bias.to(x.dtype) if bias is not None else None
         if self.granularity == "block" and self.mode != "w8a16" and fp8_native(x.device):
             xq, x_scale = quantize_activation(x2, "group")
-            y = w8a8_block_gemm(xq, x_scale, weight, scale, x.dtype, bias)
+            y = w8a8_gemm(xq, x_scale, weight, scale, x.dtype, bias)
         elif x2.shape[0] <= W8A16_GEMM_MAX_M and not (self.granularity == "block" and self.mode == "w8a8"):
             y = w8a16_gemm(x2, weight, scale, bias)
         else:
@@ -294,8 +294,14 @@ class Fp8LinearMethod(QuantMethod):
         act_granularity = "token" if self.granularity == "channel" else "tensor"
         if fused_forward(self.kernel, x):  # one Triton launch (two per tensor) instead of ~10 torch kernels
             from layerwise.kernels.fp8_act import quantize_activation  # needs triton: imported on CUDA only
+            from layerwise.kernels.fp8_gemm import tuned_tiles, w8a8_gemm
 
             xq, x_scale = quantize_activation(x2.contiguous(), act_granularity)
+            tiles = tuned_tiles("w8a8", x2.shape[0], weight.shape[0], weight.shape[1], x.device)
+            if tiles is not None:  # the tuner found the Triton W8A8 GEMM faster than _scaled_mm on this GPU
+                bias = bias.to(x.dtype) if bias is not None else None
+                y = w8a8_gemm(xq, x_scale, weight, scale, x.dtype, bias, tiles)
+                return y.reshape(*x.shape[:-1], weight.shape[0])
         else:
             x_scale = activation_scale(x2, act_granularity)
             xq = quantize(x2, x_scale, torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device))

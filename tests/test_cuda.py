@@ -122,8 +122,8 @@ def test_fp16_per_channel_w8a8_falls_back_with_one_warning(hf_checkpoint, caplog
 FORWARD_CASES = [
     ("fp8-per-tensor", "auto", "_scaled_mm"),  # fused per-tensor activation quant + torch._scaled_mm
     ("fp8-per-channel", "auto", "_scaled_mm"),  # fused per-token activation quant + row-wise _scaled_mm
-    ("fp8-per-block", "auto", "w8a8_block_gemm"),  # per-group activation quant + block-scaled FP8 GEMM
-    ("fp8-per-block", "w8a8", "w8a8_block_gemm"),
+    ("fp8-per-block", "auto", "w8a8_gemm"),  # per-group activation quant + block-scaled FP8 GEMM
+    ("fp8-per-block", "w8a8", "w8a8_gemm"),
     ("fp8-per-tensor", "w8a16", "w8a16_gemm"),
     ("fp8-per-channel", "w8a16", "w8a16_gemm"),
     ("fp8-per-block", "w8a16", "w8a16_gemm"),
@@ -139,18 +139,23 @@ def _fp8_gpu() -> bool:
 def test_compiled_gemms_within_the_f64_bound(granularity, dtype):
     from layerwise.kernels import reference
     from layerwise.kernels.fp8_act import quantize_activation
-    from layerwise.kernels.fp8_gemm import w8a8_block_gemm, w8a16_gemm
+    from layerwise.kernels.fp8_gemm import GemmTiles, w8a8_gemm, w8a16_gemm
     from tests.test_kernels_gemm import SHAPES, _operands, assert_close_to_f64
 
     for i, (m, n, k) in enumerate([*SHAPES, (8, 4096, 4096), (64, 1024, 14336), (300, 640, 1000)]):
         x, q, s, bias = _operands(m, n, k, dtype, granularity, i)
         w64 = reference.dequantize(q, s, torch.float64)
-        y = w8a16_gemm(x.cuda(), q.cuda(), s.cuda(), bias.cuda())
-        assert_close_to_f64(y, x.double(), w64, bias.double())
-        if granularity == "block" and _fp8_gpu():
-            xq, xs = quantize_activation(x.cuda(), "group")
-            x64 = xq.double().cpu() * xs.double().cpu().repeat_interleave(128, dim=1)[:, :k]
-            y = w8a8_block_gemm(xq, xs, q.cuda(), s.cuda(), dtype, bias.cuda())
+        split = GemmTiles(16, 64, 128, 4, 4, 3)  # K split in up to 4 runs, the reduction finishing
+        for tiles in (None, split):
+            y = w8a16_gemm(x.cuda(), q.cuda(), s.cuda(), bias.cuda(), tiles=tiles)
+            assert_close_to_f64(y, x.double(), w64, bias.double())
+            if not _fp8_gpu():
+                continue
+            act = {"block": "group", "channel": "token", "tensor": "tensor"}[granularity]
+            xq, xs = quantize_activation(x.cuda(), act)
+            xs64 = xs.double().cpu()
+            x64 = xq.double().cpu() * (xs64.repeat_interleave(128, dim=1)[:, :k] if act == "group" else xs64)
+            y = w8a8_gemm(xq, xs, q.cuda(), s.cuda(), dtype, bias.cuda(), tiles=tiles)
             # FP8 tensor cores accumulate each 128-long K step with fewer bits than float32 (DeepSeek-V3
             # reports about 14 on H800): 2^-13 per product bounds it; the scaled steps add in float32
             assert_close_to_f64(y, x64, w64, bias.double(), acc_eps=2.0**-13)
@@ -178,7 +183,7 @@ def test_fused_forward_against_transformers(hf_checkpoint, monkeypatch, scheme, 
     if kernel_name != "w8a16_gemm" and not _fp8_gpu():
         pytest.skip("W8A8 needs sm_89+")
     calls = []
-    for module, name in ((fp8_gemm, "w8a16_gemm"), (fp8_gemm, "w8a8_block_gemm"), (fp8_act, "quantize_activation")):
+    for module, name in ((fp8_gemm, "w8a16_gemm"), (fp8_gemm, "w8a8_gemm"), (fp8_act, "quantize_activation")):
         real = getattr(module, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -193,8 +198,8 @@ def test_fused_forward_against_transformers(hf_checkpoint, monkeypatch, scheme, 
         out = model(ids.cuda()).float().cpu()
     assert sqnr_db(hf_logits(path, ids), out) >= 18, (arch, scheme, fp8_mode)
     expected = {"w8a16_gemm"} if kernel_name == "w8a16_gemm" else {"quantize_activation"}
-    if kernel_name == "w8a8_block_gemm":
-        expected.add("w8a8_block_gemm")
+    if kernel_name == "w8a8_gemm":
+        expected.add("w8a8_gemm")
     assert set(calls) == expected, calls
 
 

@@ -92,3 +92,17 @@ def test_the_tuner_times_only_the_defaults_past_its_budget():
     result = gemm_tune.tune("small", "cpu", ms=(8,), kinds=("w8a16",), budget=0)
     assert result["skipped_over_budget"] == len(SMALL)  # the one split candidate of each shape
     assert all(row["tiles"] == row["default_tiles"] and len(row["top"]) == 1 for row in result["best"])
+
+
+def test_w8a8_is_stored_only_where_it_beat_scaled_mm():
+    def result(w8a8_us, refs):
+        rows = [{"kind": kind, "shape": "o_proj", "n": 64, "k": 256, "m": 8, "tiles": [16, 64, 128, 2, 4, 3],
+                 "us": us} for kind, us in (("w8a16", 9.0), ("w8a8", w8a8_us))]  # fmt: skip
+        return {"best": rows, "references": [{"shape": "o_proj", "m": 8, "us": refs}]}
+
+    both = {"scaled_mm per tensor": 5.0, "scaled_mm per row": 6.0}
+    assert set(gemm_tune.best_configs(result(4.0, both))) == {"w8a16", "w8a8"}
+    assert set(gemm_tune.best_configs(result(5.5, both))) == {"w8a16"}  # slower than the per-tensor one
+    assert set(gemm_tune.best_configs(result(4.0, {"scaled_mm per row": 6.0}))) == {"w8a16"}  # none per tensor
+    no_fp8 = {"scaled_mm per tensor": "RuntimeError: ...", "scaled_mm per row": 6.0}
+    assert set(gemm_tune.best_configs(result(4.0, no_fp8))) == {"w8a16"}

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from layerwise.kernels.fp8_gemm import W8A8_BLOCK_TILES_CUDA, W8A16_TILES_CUDA  # noqa: E402
+from layerwise.kernels.fp8_gemm import W8A8_TILES_CUDA, W8A16_TILES_CUDA  # noqa: E402
 from layerwise.kernels.triton_common import LAUNCH_OPTIONS  # noqa: E402
 from layerwise.kernels.variants import CUDA_TARGETS, activation_variants, cuda_variants, gemm_variants  # noqa: E402
 
@@ -62,18 +62,22 @@ def test_the_matrix_covers_every_gemm():
     assert "w8a16_gemm[bfloat16,channel,16x16x256,i32,bias,native]" in names  # unaligned
     assert "w8a16_gemm[bfloat16,channel,16x16x256,i64,nobias,native,aligned]" in names
     assert "w8a16_gemm[float16,channel,16x16x256,i32,nobias,native,aligned]" in names
-    assert "w8a8_block_gemm[bfloat16,16x16x128,i32,bias,aligned]" in names
-    assert "w8a8_block_gemm[bfloat16,16x16x128,i32,bias]" in names
-    assert "w8a8_block_gemm[bfloat16,16x16x128,i64,nobias,aligned]" in names
-    assert "w8a8_block_gemm[float16,16x16x128,i32,nobias,aligned]" in names
+    assert "w8a8_gemm[bfloat16,block,16x16x128,i32,bias,aligned]" in names
+    assert "w8a8_gemm[bfloat16,block,16x16x128,i32,bias]" in names
+    assert "w8a8_gemm[bfloat16,block,16x16x128,i64,nobias,aligned]" in names
+    assert "w8a8_gemm[float16,block,16x16x128,i32,nobias,aligned]" in names
     # split K: the partials' store in both kernels (and both W8A16 decodes), and every reduction epilogue
     assert "w8a16_gemm[bfloat16,channel,16x16x256,i32,nobias,split,int,aligned]" in names
     assert "w8a16_gemm[bfloat16,block,16x16x128,i32,nobias,split,native,aligned]" in names
-    assert "w8a8_block_gemm[bfloat16,16x16x128,i32,nobias,split,aligned]" in names
+    assert "w8a8_gemm[bfloat16,block,16x16x128,i32,nobias,split,aligned]" in names
+    # W8A8 with per-channel / per-tensor weights (scales once at the end), unsplit and split
+    assert "w8a8_gemm[bfloat16,channel,16x16x128,i32,bias,aligned]" in names
+    assert "w8a8_gemm[bfloat16,tensor,16x16x128,i32,nobias,aligned]" in names
+    assert "w8a8_gemm[bfloat16,channel,16x16x128,i32,nobias,split,aligned]" in names
     for dtype in ("bfloat16", "float16"):
         for layout in ("tensor", "channel", "block"):
             assert f"split_k_reduce[{dtype},{layout}]" in names
-    for kind, table in (("w8a16_gemm", W8A16_TILES_CUDA), ("w8a8_block_gemm", W8A8_BLOCK_TILES_CUDA)):
+    for kind, table in (("w8a16_gemm", W8A16_TILES_CUDA), ("w8a8_gemm", W8A8_TILES_CUDA)):
         for _, (block_m, *_) in table:  # every tile row of both tables is built
             assert any(n.startswith(f"{kind}[bfloat16,") and f",{block_m}x" in n for n in names), (kind, block_m)
     for v in GEMM_VARIANTS:  # FP8 conversions and tensor cores only where the hardware has them
@@ -86,9 +90,9 @@ def test_aligned_gemms_pipeline_their_loads():
     # cp.async copies into shared memory, num_stages deep: the latency hiding the decode tiles rely on
     # (split K too: its loop starts at split * k_split, and only k_split's alignment keeps the copies vectorized)
     for name in ("w8a16_gemm[bfloat16,channel,16x16x256,i32,bias,native,aligned]",
-                 "w8a8_block_gemm[bfloat16,16x16x128,i32,bias,aligned]",
+                 "w8a8_gemm[bfloat16,block,16x16x128,i32,bias,aligned]",
                  "w8a16_gemm[bfloat16,channel,16x16x256,i32,nobias,split,native,aligned]",
-                 "w8a8_block_gemm[bfloat16,16x16x128,i32,nobias,split,aligned]"):  # fmt: skip
+                 "w8a8_gemm[bfloat16,block,16x16x128,i32,nobias,split,aligned]"):  # fmt: skip
         variant = next(v for v in GEMM_VARIANTS if v.name == name)
         compiled = _compile(variant, 90)
         assert "cp.async" in compiled.asm["ptx"], name

@@ -18,7 +18,7 @@ import torch
 
 from layerwise.kernels import fp8_quantize_weight, reference
 from layerwise.kernels.fp8_act import quantize_activation
-from layerwise.kernels.fp8_gemm import GemmTiles, gemm_tiles, k_span, w8a8_block_gemm, w8a16_gemm
+from layerwise.kernels.fp8_gemm import GemmTiles, gemm_tiles, k_span, w8a8_gemm, w8a16_gemm
 
 SHAPES = [(1, 16, 32), (3, 40, 70), (17, 33, 257), (8, 130, 300)]  # (M, N, K): tails in every dim
 EPS_OUT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -56,14 +56,27 @@ def test_w8a16_gemm(dtype, granularity):
         assert_close_to_f64(y, x.double(), w64, bias.double() if with_bias else None)
 
 
+def _quantized_x(x, act):
+    """(xq, x_scale, float64 dequantized x) of x quantized per ``act`` ("group", "token" or "tensor")."""
+    xq, xs = quantize_activation(x, act)
+    scale = xs.double().repeat_interleave(128, dim=1)[:, : x.shape[1]] if act == "group" else xs.double()
+    return xq, xs, xq.double() * scale
+
+
+# weight scale layout -> the activation scales it is paired with (quant.fp8), and one more it takes
+W8A8_PAIRS = [
+    ("block", "group"), ("channel", "token"), ("tensor", "tensor"), ("channel", "tensor"), ("tensor", "token"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("granularity", "act"), W8A8_PAIRS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_w8a8_block_gemm(dtype):
+def test_w8a8_gemm(dtype, granularity, act):
     for i, (m, n, k) in enumerate(SHAPES):
-        x, q, s, bias = _operands(m, n, k, dtype, "block", 10 + i)
-        xq, xs = quantize_activation(x, "group")
-        x64 = xq.double() * xs.double().repeat_interleave(128, dim=1)[:, :k]
+        x, q, s, bias = _operands(m, n, k, dtype, granularity, 10 + i)
+        xq, xs, x64 = _quantized_x(x, act)
         with_bias = i % 2 == 0
-        y = w8a8_block_gemm(xq, xs, q, s, dtype, bias if with_bias else None)
+        y = w8a8_gemm(xq, xs, q, s, dtype, bias if with_bias else None)
         assert y.shape == (m, n) and y.dtype == dtype
         assert_close_to_f64(y, x64, reference.dequantize(q, s, torch.float64), bias.double() if with_bias else None)
 
@@ -84,11 +97,11 @@ def test_split_k(split_k):
             x, q, s, bias = _operands(m, n, k, torch.bfloat16, granularity, 20 + i)
             y = w8a16_gemm(x, q, s, bias, tiles=tiles)
             assert_close_to_f64(y, x.double(), reference.dequantize(q, s, torch.float64), bias.double())
-        xq, xs = quantize_activation(x.half(), "group")
-        x64 = xq.double() * xs.double().repeat_interleave(128, dim=1)[:, :k]
-        y = w8a8_block_gemm(xq, xs, q, s, torch.float16, None, tiles=tiles)
-        assert y.dtype == torch.float16
-        assert_close_to_f64(y, x64, reference.dequantize(q, s, torch.float64), None)
+            act = {"block": "group", "channel": "token", "tensor": "tensor"}[granularity]
+            xq, xs, x64 = _quantized_x(x.half(), act)
+            y = w8a8_gemm(xq, xs, q, s, torch.float16, None, tiles=tiles)
+            assert y.dtype == torch.float16
+            assert_close_to_f64(y, x64, reference.dequantize(q, s, torch.float64), None)
 
 
 def test_the_bound_catches_a_wrong_result():
@@ -115,16 +128,20 @@ def test_empty_and_bad_inputs():
         w8a16_gemm(torch.randn(2, 16).bfloat16(), q.float(), s)
     xq, xs = quantize_activation(torch.randn(2, 16).bfloat16(), "token")
     with pytest.raises(TypeError, match="x_scale"):
-        w8a8_block_gemm(xq, xs.expand(2, 2), q, s, torch.bfloat16)
+        w8a8_gemm(xq, xs.expand(2, 2), q, s, torch.bfloat16)
+    qb, sb = fp8_quantize_weight(torch.randn(256, 256).bfloat16(), "block")  # scales [2, 2]
+    xq, xs = quantize_activation(torch.randn(2, 256).bfloat16(), "token")
+    with pytest.raises(TypeError, match="per-block weights need x_scale \\[2, 2\\]"):
+        w8a8_gemm(xq, xs, qb, sb, torch.bfloat16)
 
 
 def test_tile_tables_cover_every_m():
     cuda = torch.device("cuda")
-    for kind in ("w8a16", "block"):
+    for kind in ("w8a16", "w8a8"):
         for m in (1, 8, 16, 17, 64, 65, 4096, 1 << 20):
             block_m, block_n, block_k, split_k, _, _ = gemm_tiles(m, cuda, kind)
             assert min(block_m, block_n, block_k) >= 16 and split_k >= 1  # tl.dot's minimum
-            if kind == "block":
+            if kind == "w8a8":
                 assert block_k == 128 and 128 % block_n == 0  # one weight block per K step and column tile
 
 
@@ -179,7 +196,7 @@ def test_model_forward_through_the_triton_gemms(
     calls = []
     monkeypatch.setattr(quant_fp8, "fused_forward", lambda kernel, x: x.dtype == torch.bfloat16)
     monkeypatch.setattr(fp8_gemm, "fp8_native", lambda device: True)
-    for name in ("w8a16_gemm", "w8a8_block_gemm"):
+    for name in ("w8a16_gemm", "w8a8_gemm"):
         real = getattr(fp8_gemm, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -189,8 +206,41 @@ def test_model_forward_through_the_triton_gemms(
         monkeypatch.setattr(fp8_gemm, name, counted)
     with torch.no_grad():
         triton_path = model(ids).float()
-    expected = "w8a16_gemm" if fp8_mode == "w8a16" else "w8a8_block_gemm"
+    expected = "w8a16_gemm" if fp8_mode == "w8a16" else "w8a8_gemm"
     assert calls and set(calls) == {expected}
     assert sqnr_db(qwen2_reference_logits, triton_path) >= 18
     # same weights, same W8A16 arithmetic up to rounding: far closer to the torch path than to transformers
     assert sqnr_db(torch_path, triton_path) >= (35 if fp8_mode == "w8a16" else 20)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-per-tensor", "fp8-per-channel"])
+def test_w8a8_forward_takes_the_triton_gemm_only_where_tuned(
+    qwen2_checkpoint, qwen2_reference_logits, monkeypatch, scheme
+):
+    # The CUDA W8A8 forward of per-tensor / per-channel weights (interpreted here): torch._scaled_mm, unless the
+    # tuner stored a "w8a8" configuration for the shape (it does only where the Triton GEMM was faster)
+    import layerwise
+    import layerwise.kernels.fp8_gemm as fp8_gemm
+    import layerwise.quant.fp8 as quant_fp8
+    from layerwise.kernels.fp8_gemm import TILES_INTERPRET
+    from tests.hf_checkpoints import sqnr_db
+
+    model = layerwise.load_model(qwen2_checkpoint, quantization=scheme, fp8_mode="w8a8")
+    monkeypatch.setattr(quant_fp8, "fused_forward", lambda kernel, x: x.dtype == torch.bfloat16)
+    calls = []
+    real_gemm, real_scaled_mm = fp8_gemm.w8a8_gemm, torch._scaled_mm
+    monkeypatch.setattr(fp8_gemm, "w8a8_gemm", lambda *a, **k: calls.append("w8a8_gemm") or real_gemm(*a, **k))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append("_scaled_mm") or real_scaled_mm(*a, **k))
+    with torch.no_grad():
+        scaled_mm_path = model(IDS).float()
+    assert calls and set(calls) == {"_scaled_mm"}  # nothing tuned: _scaled_mm
+    calls.clear()
+    tuned = []
+    monkeypatch.setattr(fp8_gemm, "tuned_tiles", lambda kind, m, n, k, device: tuned.append(kind) or TILES_INTERPRET)
+    with torch.no_grad():
+        triton_path = model(IDS).float()
+    assert calls and set(calls) == {"w8a8_gemm"} and set(tuned) == {"w8a8"}
+    assert sqnr_db(qwen2_reference_logits, triton_path) >= 18
+    # the same FP8 operands and scales as _scaled_mm's, only the float32 summation order differs; a last-bit
+    # difference of a bf16 output can move the next layer's FP8 rounding, hence the W8A8 bound of the test above
+    assert sqnr_db(scaled_mm_path, triton_path) >= 20
