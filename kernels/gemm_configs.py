@@ -70,8 +70,10 @@ def lookup(path: Path, kind: str, n: int, k: int, m: int) -> tuple[int, ...] | N
     return next((fields for max_m, fields in rows if m <= max_m), None)
 
 
+@functools.lru_cache(maxsize=4096)
 def tuned_fields(kind: str, n: int, k: int, m: int, device: torch.device) -> tuple[int, ...] | None:
-    """:func:`lookup` in the file of CUDA ``device``'s GPU; None on other devices."""
+    """:func:`lookup` in the file of CUDA ``device``'s GPU; None on other devices. Cached: every GEMM launch
+    asks (``clear_caches`` after the file changes)."""
     if device.type != "cuda":
         return None
     return lookup(config_path(_device_name(device.index)), kind, n, k, m)
@@ -88,7 +90,22 @@ def write_configs(path: Path, device_name: str, best: dict, provenance: dict) ->
                for kind, shapes in best.items()}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"device_name": device_name, **provenance, "configs": configs}, indent=1) + "\n")
+    clear_caches()
+
+
+def clear_caches() -> None:
+    """Forget what was read from the configuration files (they are read once, at the first launch)."""
     _load.cache_clear()
+    tuned_fields.cache_clear()
 
 
-__all__ = ["CONFIG_DIR", "KINDS", "config_path", "device_slug", "lookup", "tuned_fields", "write_configs"]
+__all__ = [
+    "CONFIG_DIR",
+    "KINDS",
+    "clear_caches",
+    "config_path",
+    "device_slug",
+    "lookup",
+    "tuned_fields",
+    "write_configs",
+]

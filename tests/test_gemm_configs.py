@@ -22,8 +22,9 @@ def fake_gpu(tmp_path, monkeypatch):
     """Configurations stored under tmp_path for a CUDA device named GPU; returns its file's path."""
     monkeypatch.setattr(gemm_configs, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(gemm_configs, "_device_name", lambda index: GPU)
+    gemm_configs.clear_caches()
     yield config_path(GPU)
-    gemm_configs._load.cache_clear()
+    gemm_configs.clear_caches()
 
 
 def test_launch_tiles_take_the_tuned_configuration_of_the_shape_and_m(fake_gpu):
@@ -49,6 +50,7 @@ def test_launch_tiles_take_the_tuned_configuration_of_the_shape_and_m(fake_gpu):
 
 def test_a_malformed_configuration_file_is_named(fake_gpu):
     fake_gpu.write_text(json.dumps({"configs": {"w8a16": {"64,256": {"x": [1, 2]}}}}))
+    gemm_configs.clear_caches()
     with pytest.raises(ValueError, match="nvidia-test-gpu-80gb-hbm3.json: not a GEMM configuration file"):
         launch_tiles("w8a16", 1, 64, 256, CUDA)
 
