@@ -54,7 +54,7 @@ class AttentionMetadata:
     """What every layer's attention shares within one forward, computed once (vLLM's attn_metadata).
 
     Attributes:
-        position_embeddings: (cos, sin) [B, T, 1, rotary_dim] in the activations' dtype
+        position_embeddings: (cos, signed sin) [B, T, 1, rotary_dim] in the activations' dtype
             (``RotaryEmbedding.cos_sin``).
         masks: with a KV cache, sliding window (None: full attention) -> :func:`cache_mask`
             [B, 1, groups * T, L]; None without a cache.

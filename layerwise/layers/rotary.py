@@ -8,6 +8,12 @@ transformers' ``longrope_frequency_update``). A partial rotary dimension (Phi-3'
 Frequencies are non-persistent buffers created directly on the target device (they are not in
 checkpoints); cos/sin are computed in float32 from the positions, once per model forward (``cos_sin``)
 and applied by every layer (``apply``).
+
+Fewer kernels per decode step, same values: transformers' ``rotate_half(x) * sin`` is computed as
+``x.roll(R/2) * signed_sin``, where ``signed_sin`` (made once per forward) carries rotate_half's minus on
+its first half (one roll instead of a neg and a cat; (-a) * b and a * (-b) are the same float); and when q
+and k are adjacent heads of one buffer (the fused qkv_proj output, without per-head norms in between), both
+are rotated by one set of kernels over the joint [B, T, Hq + Hk, D] view.
 """
 
 from __future__ import annotations
@@ -69,11 +75,6 @@ def longrope_inv_freq(
     return freqs[0], freqs[1], attention_factor
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [B, T, Hq, D] and k [B, T, Hk, D] at positions [B, T] (int64).
 
@@ -117,7 +118,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, T, 1, rotary_dim] in ``dtype`` for int64 ``positions`` [B, T], computed in float32.
+        """cos and signed sin [B, T, 1, rotary_dim] in ``dtype`` for int64 ``positions`` [B, T], computed in
+        float32; signed sin is sin with its first half negated (see the module docstring).
 
         They depend only on the positions, so a model computes them once per forward and every layer
         applies them (:meth:`apply`). No host sync (LongRoPE picks its factors on the device).
@@ -131,20 +133,46 @@ class RotaryEmbedding(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
+        half = self.rotary_dim // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos.to(dtype), signed_sin.to(dtype)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
         """Rotate the first ``rotary_dim`` features of every head of q [B, T, Hq, D] and k [B, T, Hk, D]
-        by :meth:`cos_sin`'s tensors; returns (q, k) of the same shapes."""
+        by :meth:`cos_sin`'s tensors; returns (q, k) of the same shapes (views of one tensor where q and k
+        were adjacent heads of one buffer)."""
         r = self.rotary_dim
         if r == q.shape[-1]:
-            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        q_rot, k_rot = q[..., :r], k[..., :r]
+            qk = adjacent_heads(q, k)
+            if qk is not None:
+                out = _rotate(qk, cos, signed_sin)
+                return out[:, :, : q.shape[2]], out[:, :, q.shape[2] :]
+            return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
         return (
-            torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q[..., r:]), dim=-1),
-            torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k[..., r:]), dim=-1),
+            torch.cat((_rotate(q[..., :r], cos, signed_sin), q[..., r:]), dim=-1),
+            torch.cat((_rotate(k[..., :r], cos, signed_sin), k[..., r:]), dim=-1),
         )
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """:meth:`apply` with :meth:`cos_sin` of ``positions`` in q's dtype."""
         return self.apply(q, k, *self.cos_sin(positions, q.dtype))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin (rotate_half(x) = cat(-x2, x1)), as x * cos + roll(x, R/2) * signed_sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [B, T, Hq, D] and k [B, T, Hk, D] as one [B, T, Hq + Hk, D] view when k's heads directly follow q's
+    in memory with the same strides (the split of a fused qkv_proj output), else None."""
+    if q.dtype != k.dtype or q.device != k.device or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        return None
+    if q.stride(3) != 1 or q.stride(2) != q.shape[3] or k.stride()[2:] != q.stride()[2:]:
+        return None
+    # B and T strides must agree where they matter (a dimension of size 1 may carry any stride)
+    if any(n > 1 and q.stride(i) != k.stride(i) for i, n in enumerate(q.shape[:2])):
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[2] * q.stride(2) * q.element_size():
+        return None
+    return q.as_strided((*q.shape[:2], q.shape[2] + k.shape[2], q.shape[3]), q.stride())
