@@ -103,14 +103,12 @@ def fp8_quantize(
     """Quantize ``w`` with ``scale`` (layout read off its shape) to float8_e4m3fn of w's shape.
 
     ``within_range``: as in :func:`reference.quantize` (the torch reference then skips its clamp).
-    ``out``: a contiguous float8_e4m3fn tensor of w's shape on w's device, written in place and returned
-    (Triton writes a new tensor that is copied in).
+    ``out``: a contiguous float8_e4m3fn tensor of w's shape on w's device, written in place and returned.
     """
     if kernel == "triton":
         from layerwise.kernels.ops import fp8_quantize_triton
 
-        q = fp8_quantize_triton(w, scale)
-        return q if out is None else out.copy_(q)
+        return fp8_quantize_triton(w, scale, out)
     if scale.device.type == "cpu" and cpu_native.supports(w, out):
         return cpu_native.quantize(w, scale, scale_layout(w, scale), out, within_range=within_range)
     return reference.quantize(w, scale, out, within_range=within_range)

@@ -61,12 +61,16 @@ def fp8_amax_triton(w: torch.Tensor, granularity: str) -> torch.Tensor:
     return amax_triton(w.contiguous(), granularity)
 
 
-def fp8_quantize_triton(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_quantize_triton(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton quantize; the granularity is read off the scale's shape (see
-    :func:`kernels.fp8_tiles.quantize_triton`; op ``layerwise::fp8_quantize_triton``)."""
-    if _use_op(w, scale):
-        return _quantize_op(w, scale)
-    return quantize_triton(w.contiguous(), scale)
+    :func:`kernels.fp8_tiles.quantize_triton`; op ``layerwise::fp8_quantize_triton``). ``out``: written in
+    place and returned; eagerly the kernel writes it directly when it is contiguous (no FP8 temporary)."""
+    if _use_op(w, scale, *(() if out is None else (out,))):
+        q = _quantize_op(w, scale)
+        return q if out is None else out.copy_(q)
+    if out is not None and not out.is_contiguous():
+        return out.copy_(quantize_triton(w.contiguous(), scale))
+    return quantize_triton(w.contiguous(), scale, out)
 
 
 def fp8_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -268,3 +268,26 @@ def test_rows_longer_than_a_chunk(granularity):
     expanded = scale if granularity == "channel" else scale.repeat_interleave(128, dim=1)[:, : w.shape[1]]
     own_cast = (w.float() / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)  # torch's own formula
     assert torch.equal(_bits(reference.quantize(w, scale)), _bits(own_cast))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_triton_quantize_writes_straight_into_out(monkeypatch, granularity):
+    # a reload quantizes into the live FP8 weight: the kernel writes there, with no FP8 temporary copied in
+    import layerwise.kernels.fp8_tiles as fp8_tiles
+
+    w = torch.randn(130, 300, generator=torch.Generator().manual_seed(3)).bfloat16()
+    q_ref, scale = fp8_quantize_weight(w, granularity, "torch")
+    written = []
+    launch = fp8_tiles._launch
+
+    def recording(fn, x, out, *args, **kwargs):
+        written.append(out.data_ptr())
+        return launch(fn, x, out, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_tiles, "_launch", recording)
+    out = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    assert kernels.fp8_quantize(w, scale, "triton", out=out) is out
+    assert written == [out.data_ptr()] and torch.equal(out.view(torch.uint8), q_ref.view(torch.uint8))
+    strided = torch.empty(300, 130, dtype=torch.float8_e4m3fn).t()  # not contiguous: quantized, then copied in
+    assert kernels.fp8_quantize(w, scale, "triton", out=strided) is strided
+    assert torch.equal(strided.contiguous().view(torch.uint8), q_ref.view(torch.uint8))
