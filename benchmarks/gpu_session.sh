@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu_session.sh tests    # CUDA tests (-m gpu) + the demo on cuda           (~5 min)
 #   bash benchmarks/gpu_session.sh suite    # the 8b suite: peak memory, reload, decode step   (~8 min)
-#   bash benchmarks/gpu_session.sh moe      # MoE load + the 8b reload alone (quicker re-check) (~5 min)
+#   bash benchmarks/gpu_session.sh moe      # MoE load + the 8b reload alone (quicker re-check),
+#                                           # and a cProfile of the first 8b load in a process  (~6 min)
 #   bash benchmarks/gpu_session.sh tune     # GEMM tiles for the 8b projections at M = 8 (decode);
 #                                           # writes kernels/configs/<gpu>.json into $OUT/configs  (~5 min)
 #
@@ -41,6 +42,9 @@ case "$part" in
     timeout 300 python3 -m layerwise.benchmarks.reload_latency --device cuda --size 8b --repeats 3 \
       --out-dir "$OUT/reload" --cache-dir /tmp/lw-bench >"$OUT/reload.log" 2>&1
     echo "reload exit $?"; tail -n 20 "$OUT/reload.log"
+    timeout 120 python3 -m layerwise.benchmarks.first_load_profile --device cuda --size 8b \
+      --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/first_load.log" 2>&1
+    echo "first-load profile exit $?"; tail -n 14 "$OUT/first_load.log"
     ;;
   tune)
     timeout 540 python3 -m layerwise.benchmarks.gemm_tune --device cuda --size 8b --budget 420 --write-configs \

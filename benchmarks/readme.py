@@ -211,17 +211,18 @@ def _machine(machine: dict, device: str) -> str:
 
 def _intro(pm: dict) -> str:
     return f"""\
-Reproduce with `python -m layerwise.benchmarks.suite` (load, reload and, on a GPU, the decode step, in one
-run under a time budget: `--device cuda --size 8b` for Llama-3-8B shapes), or one benchmark at a time:
-`layerwise bench` (= `python -m layerwise.benchmarks.peak_memory`), `python -m layerwise.benchmarks.reload_latency`,
-`python -m layerwise.benchmarks.decode_step` (on CUDA with each step's time per kernel category) and
-`python -m layerwise.benchmarks.quant_kernels` (`--size small|default|0.9b|8b`, `--device cpu|cuda`);
-`python -m layerwise.benchmarks.gemm_tune --device cuda --write-configs` tunes the FP8 GEMMs' tiles for one
-GPU (`kernels/configs/<gpu>.json`, against cuBLAS BF16 and `_scaled_mm`). Each writes its JSON (`layerwise bench` also a PNG)
-to `./{DEFAULT_OUT_DIR}/`, or to `--out-dir DIR`; the BF16 checkpoint they generate is kept in
-`~/.cache/layerwise/bench/` (`--cache-dir DIR`). The figures below change only on purpose: run them from the
-repository root with `--out-dir {REFERENCE_DIR}`, then `python -m layerwise.benchmarks.readme` (`--check`
-tells whether this section is stale); it shows the newest results of each benchmark per device.
+Reproduce with `python -m layerwise.benchmarks.suite` (load, reload and, on a GPU, the decode step, in one run
+under a time budget: `--device cuda --size 8b` for Llama-3-8B shapes), or one benchmark at a time: `layerwise
+bench` (= `python -m layerwise.benchmarks.peak_memory`), `python -m layerwise.benchmarks.reload_latency`,
+`python -m layerwise.benchmarks.decode_step` (on CUDA with each step's time per kernel category) and `python -m
+layerwise.benchmarks.quant_kernels` (`--size small|default|0.9b|8b`, `--device cpu|cuda`); `python -m
+layerwise.benchmarks.gemm_tune --device cuda --write-configs` tunes the FP8 GEMMs' tiles for one GPU
+(`kernels/configs/<gpu>.json`, against cuBLAS BF16 and `_scaled_mm`), and `python -m
+layerwise.benchmarks.first_load_profile` profiles the first load in a process. Each writes its JSON (`layerwise
+bench` also a PNG) to `./{DEFAULT_OUT_DIR}/`, or to `--out-dir DIR`; the BF16 checkpoint they generate is kept
+in `~/.cache/layerwise/bench/` (`--cache-dir DIR`). The figures below change only on purpose: run them from the
+repository root with `--out-dir {REFERENCE_DIR}`, then `python -m layerwise.benchmarks.readme` (`--check` tells
+whether this section is stale); it shows the newest results of each benchmark per device.
 Results below: {_machine(pm["machine"], pm["device"])}."""
 
 

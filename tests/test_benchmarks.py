@@ -398,3 +398,28 @@ def test_a_torchao_schemes_first_load_cost_is_judged_without_torchaos_own_import
     table = readme.targets_table(dict(out, device="cpu"))
     assert f"| first - second load, seconds | {torchao} | 1.60 |  |  |" in table  # no verdict on the raw figure
     assert f"| first - second load less torchao's own import, seconds | {torchao} | 0.15 | 1 | yes |" in table
+
+
+def test_first_load_profile_small(tmp_path):
+    from layerwise.benchmarks import first_load_profile
+
+    args = ["--size", "small", "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    assert first_load_profile.main(args) == 0
+    result = json.loads((tmp_path / "first_load_profile_cpu_small.json").read_text())
+    _check_provenance(result, "cpu", "small")
+    (row,) = result["rows"]
+    assert row["scheme"] == "fp8-per-channel" and row["first_profiled_seconds"] > 0 and row["second_seconds"] > 0
+    assert "layerwise" in row["own_seconds_by_package"]
+    assert any("load_model" in e["function"] for e in row["cumulative"][:5])  # the load is what was profiled
+    cumulative = [e["cumulative_seconds"] for e in row["cumulative"]]
+    assert cumulative == sorted(cumulative, reverse=True) and len(row["own"]) == len(row["cumulative"])
+
+
+def test_first_load_profile_packages():
+    from layerwise.benchmarks.first_load_profile import package_of
+
+    assert package_of("/usr/lib/python3.12/site-packages/triton/runtime/jit.py") == "triton"
+    assert package_of("/venv/lib/python3.11/dist-packages/safetensors/torch.py") == "safetensors"
+    assert package_of("/work/main/kernels/fp8_tiles.py") == "layerwise"
+    assert package_of("/usr/lib/python3.12/importlib/__init__.py") == "stdlib:importlib"
+    assert package_of("~") == "builtins" and package_of("<frozen importlib._bootstrap>") == "builtins"
