@@ -1,26 +1,31 @@
 """Tune the Triton FP8 GEMMs' launch configurations on this GPU, against cuBLAS BF16 and torch._scaled_mm.
 
 For each projection of the --size model (qkv_proj, o_proj, gate_up_proj and down_proj as [N, K]) and each
-M of --m (decode batch sizes), every candidate ``GemmTiles`` of each GEMM kind is timed: "w8a16" (per-channel
-weight scales; per tensor runs the same loop), "w8a16-block", "w8a8-block" and "w8a8" (per-channel weights,
-per-token activations: the Triton alternative to ``torch._scaled_mm``) (``kernels.gemm_configs``).
-Each time is a CUDA graph's replay of 20 calls divided by 20, as the decode step replays them (no launch
-overhead). A candidate whose output strays from the default tiles' output (more than 2% of its largest
-value) or that does not compile is recorded with its error and never chosen. The references, timed the
-same way: F.linear in BF16 (cuBLAS), torch._scaled_mm per tensor and per row (sm89+; with and without
-the fused activation quantization), and the activation quantization alone.
+M of --m (decode batch sizes), every candidate ``GemmTiles`` of each GEMM kind is timed (``kernels.gemm_configs``):
+"w8a16" (per-channel weight scales; per tensor runs the same loop), "w8a16-block", "w8a8-block" and "w8a8"
+(per-channel weights and per-token activations, checked per tensor too: the Triton alternative to
+``torch._scaled_mm``). Each time is a CUDA graph's replay of 20 calls divided by 20, as the decode step replays
+them (no launch overhead), the calls cycling through copies of the weight that together exceed twice the L2
+cache (each call streams its weight from memory, as in a decode step). A candidate is checked first, its
+outputs and partials filled with NaN beforehand, against the float32 product of the dequantized operands
+(within 2% of its largest magnitude); one that fails or does not compile is recorded with its error and never
+chosen. The references, timed the same way: F.linear in BF16 (cuBLAS), torch._scaled_mm per tensor and per
+row (sm89+; with and without the fused activation quantization), and the activation quantization alone.
 
-    python -m layerwise.benchmarks.gemm_tune --device cuda --size 8b [--m 8] [--quick] [--budget S] [--write-configs]
+    python -m layerwise.benchmarks.gemm_tune --device cuda --size 8b [--m 1,8] [--quick] [--budget S] [--write-configs]
 
 Writes DIR/gemm_tune_<device>_<size>.json: per kind, shape and M the best and the default configuration
 (microseconds, GB/s of weight bytes read, ratio to BF16), the five fastest candidates, every error, and the
-references. --write-configs also writes ``kernels/configs/<device>.json`` (the best per kind, shape and M),
-which the GEMMs launch with from then on (``kernels.fp8_gemm.launch_tiles``). On CPU the kernels run
-interpreted on two candidates: a check of the code path, not a measurement.
+references. --write-configs also writes ``kernels/configs/<device>.json`` (the best per kind, shape and M;
+"w8a8" only where it beat both ``_scaled_mm`` references), which the GEMMs launch with from then on
+(``kernels.fp8_gemm.launch_tiles``; a batch takes the entry of the smallest tuned M at or above it), and where
+the W8A8 forward of per-tensor and per-channel weights runs the Triton GEMM instead of ``_scaled_mm``. On CPU
+the kernels run interpreted on two candidates: a check of the code path, not a measurement.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import time
@@ -32,12 +37,12 @@ from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import provenance
 from layerwise.benchmarks.options import add_output_arguments, benchmark_parser, write_json
 from layerwise.benchmarks.timing import graph_seconds
-from layerwise.kernels import fp8_quantize_weight
+from layerwise.kernels import fp8_gemm, fp8_quantize_weight, reference
 from layerwise.kernels.fp8_act import quantize_activation
 from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, fp8_native, launch_tiles, w8a8_gemm, w8a16_gemm
 from layerwise.kernels.gemm_configs import KINDS, config_path, write_configs
 
-DEFAULT_M = (8,)  # the Engine's default max_batch_size: the decode step's M
+DEFAULT_M = (1, 8)  # one sequence, and the Engine's default max_batch_size (the captured decode step's M)
 TOLERANCE = 0.02  # of the default tiles' largest |output|: split sums and FP8 tensor cores round differently
 TOP = 5  # fastest candidates kept per kind, shape and M
 
@@ -69,28 +74,81 @@ def candidates(kind: str, m: int, device: torch.device, quick: bool = False) -> 
     return out
 
 
+L2_FALLBACK_BYTES = 64 << 20  # where the device properties do not say (an H100 has 50 MB)
+
+
+def weight_copies(nbytes: int, device: torch.device) -> int:
+    """Copies of an ``nbytes`` weight that the timed calls cycle through, so that one cycle reads more than
+    twice the GPU's L2 cache: every call streams its weight from memory, as in a decode step that reads
+    8 GB of weights, instead of from L2 (an o_proj's 17 MB of FP8 would fit it)."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or L2_FALLBACK_BYTES
+    return max(1, -(-2 * l2 // nbytes))
+
+
 def _operands(n: int, k: int, m: int, device: torch.device, seed: int) -> dict:
+    """x, its quantized forms, and lists of weight copies (:func:`weight_copies`) per format."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     w = (0.02 * torch.randn(n, k, generator=g)).to(device=device, dtype=torch.bfloat16)
     x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
-    ops = {"w": w, "x": x}
-    ops["channel"] = fp8_quantize_weight(w, "channel")
-    ops["block"] = fp8_quantize_weight(w, "block")
-    ops["x_group"] = quantize_activation(x, "group")
-    ops["x_token"] = quantize_activation(x, "token")
+
+    def copies(pair, nbytes):
+        return [pair] + [tuple(t.clone() for t in pair) for _ in range(weight_copies(nbytes, device) - 1)]
+
+    ops = {"x": x, "w": [w] + [w.clone() for _ in range(weight_copies(2 * n * k, device) - 1)]}
+    for granularity in ("tensor", "channel", "block"):
+        ops[granularity] = copies(fp8_quantize_weight(w, granularity), n * k)
+    for granularity in ("tensor", "token", "group"):
+        ops[f"x_{granularity}"] = quantize_activation(x, granularity)
     return ops
 
 
-def _gemm(kind: str, ops: dict):
-    """The call of ``kind`` on ``ops`` as a function of the tiles."""
-    x, (qc, sc), (qb, sb), (xg, xgs), (xt, xts) = (ops[k] for k in ("x", "channel", "block", "x_group", "x_token"))
-    if kind == "w8a16":
-        return lambda tiles: w8a16_gemm(x, qc, sc, tiles=tiles)
-    if kind == "w8a16-block":
-        return lambda tiles: w8a16_gemm(x, qb, sb, tiles=tiles)
-    if kind == "w8a8-block":
-        return lambda tiles: w8a8_gemm(xg, xgs, qb, sb, torch.bfloat16, tiles=tiles)
-    return lambda tiles: w8a8_gemm(xt, xts, qc, sc, torch.bfloat16, tiles=tiles)
+def _gemm(kind: str, ops: dict, layout: str | None = None):
+    """The call of ``kind`` on ``ops`` as a function of (tiles, weight copy index), and the float32 product of
+    its dequantized operands, the reference its output is checked against. ``layout`` "tensor": kind "w8a8"
+    with per-tensor weight and activation scales (default: per channel and per token)."""
+    x = ops["x"]
+    if kind == "w8a16" or kind == "w8a16-block":
+        weights = ops["channel" if kind == "w8a16" else "block"]
+        call = lambda tiles, i: w8a16_gemm(x, *weights[i % len(weights)], tiles=tiles)
+        return call, x.float() @ reference.dequantize(*weights[0], torch.float32).t()
+    weight_layout, act = {"w8a8-block": ("block", "group"), "w8a8": ("channel", "token")}[kind]
+    if layout == "tensor":
+        weight_layout, act = "tensor", "tensor"
+    weights, (xq, xs) = ops[weight_layout], ops[f"x_{act}"]
+    call = lambda tiles, i: w8a8_gemm(xq, xs, *weights[i % len(weights)], torch.bfloat16, tiles=tiles)
+    x_scale = xs.repeat_interleave(128, dim=1)[:, : xq.shape[1]] if act == "group" else xs
+    return call, (xq.float() * x_scale) @ reference.dequantize(*weights[0], torch.float32).t()
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """The GEMMs' outputs and split-K partials start as NaN, not as whatever the allocator hands back (often
+    the previous candidate's correct result): a configuration that leaves elements unwritten fails its check."""
+    real = fp8_gemm._empty
+    fp8_gemm._empty = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    try:
+        yield
+    finally:
+        fp8_gemm._empty = real
+
+
+def check(call, expected: torch.Tensor, tiles: GemmTiles) -> None:
+    """Raise ValueError where ``call``'s output with ``tiles`` strays from ``expected`` by more than TOLERANCE of
+    its largest magnitude (or holds NaN: an element left unwritten)."""
+    with poisoned_outputs():
+        y = call(tiles, 0).float()
+    err, limit = (y - expected).abs().max().item(), TOLERANCE * expected.abs().max().item()
+    if not err <= limit:  # NaN fails too
+        raise ValueError(f"output off by {err:.3g} (limit {limit:.3g})")
+
+
+def cycling(call, copies: int):
+    """A no-argument function that calls ``call(i)`` with i = 0, 1, ... modulo ``copies`` (each captured call of
+    :func:`graph_seconds` then reads the next weight copy)."""
+    counter = itertools.count()
+    return lambda: call(next(counter) % copies)
 
 
 def _error(e: Exception) -> str:
@@ -98,26 +156,27 @@ def _error(e: Exception) -> str:
 
 
 def _references(ops: dict, device: torch.device) -> dict[str, float]:
-    """Microseconds of BF16 F.linear, torch._scaled_mm (sm89+) and the activation quantization."""
-    x, w = ops["x"], ops["w"]
-    calls = {"bf16 F.linear": lambda: F.linear(x, w)}
+    """Microseconds of BF16 F.linear, torch._scaled_mm (sm89+) and the activation quantization, the weights
+    cycled through their copies as the candidates' are."""
+    x, bf16 = ops["x"], ops["w"]
+    calls = {"bf16 F.linear": cycling(lambda i: F.linear(x, bf16[i]), len(bf16))}
     if device.type == "cuda" and fp8_native(device):
-        wt, st = fp8_quantize_weight(w, "tensor")
-        (wc, sc), (xt, xst), (xr, xsr) = (
-            ops["channel"],
-            quantize_activation(x, "tensor"),
-            quantize_activation(x, "token"),
-        )
+        tensor, channel = ops["tensor"], ops["channel"]
+        (xt, xst), (xr, xsr), dtype = ops["x_tensor"], ops["x_token"], x.dtype
 
-        def quantize_then_scaled_mm():
-            q, s = quantize_activation(x, "tensor")
-            return torch._scaled_mm(q, wt.t(), scale_a=s, scale_b=st, out_dtype=x.dtype)
+        def per_tensor(i, xt=xt, xst=xst):
+            wt, st = tensor[i]
+            return torch._scaled_mm(xt, wt.t(), scale_a=xst, scale_b=st, out_dtype=dtype)
 
-        calls["scaled_mm per tensor"] = lambda: torch._scaled_mm(xt, wt.t(), scale_a=xst, scale_b=st, out_dtype=x.dtype)
-        calls["scaled_mm per row"] = lambda: torch._scaled_mm(
-            xr, wc.t(), scale_a=xsr, scale_b=sc.t(), out_dtype=x.dtype
+        def per_row(i):
+            wc, sc = channel[i]
+            return torch._scaled_mm(xr, wc.t(), scale_a=xsr, scale_b=sc.t(), out_dtype=dtype)
+
+        calls["scaled_mm per tensor"] = cycling(per_tensor, len(tensor))
+        calls["scaled_mm per row"] = cycling(per_row, len(channel))
+        calls["act quant + scaled_mm per tensor"] = cycling(
+            lambda i: per_tensor(i, *quantize_activation(x, "tensor")), len(tensor)
         )
-        calls["act quant + scaled_mm per tensor"] = quantize_then_scaled_mm
     for granularity in ("token", "tensor", "group"):
         calls[f"act quant {granularity}"] = lambda g=granularity: quantize_activation(x, g)
     out = {}
@@ -154,20 +213,21 @@ def tune(
         references.append({"shape": name, "n": n, "k": k, "m": m, "us": refs})
         bf16_us = refs["bf16 F.linear"] if isinstance(refs["bf16 F.linear"], float) else None
         for kind in kinds:
-            gemm = _gemm(kind, ops)
+            call, expected = _gemm(kind, ops)
+            # kind "w8a8" serves per-tensor weights too (scale strides 0): checked in that layout as well
+            checks = [(call, expected)] + ([_gemm(kind, ops, "tensor")] if kind == "w8a8" else [])
+            copies = len(ops["block" if "block" in kind else "channel"])
             default = launch_tiles(kind, m, n, k, device)
-            expected = gemm(default).float()
-            limit = TOLERANCE * expected.abs().max().item()
             timed = []
             for tiles in dict.fromkeys([default, *candidates(kind, m, device, quick)]):
                 if deadline is not None and time.monotonic() > deadline and tiles != default:
                     skipped += 1
                     continue
                 try:
-                    err = (gemm(tiles).float() - expected).abs().max().item()
-                    if not err <= limit:
-                        raise ValueError(f"output off by {err:.3g} (limit {limit:.3g})")
-                    timed.append((1e6 * graph_seconds(lambda g=gemm, t=tiles: g(t), device), tiles))
+                    for checked, reference_output in checks:
+                        check(checked, reference_output, tiles)
+                    timed_call = cycling(lambda i, c=call, t=tiles: c(t, i), copies)
+                    timed.append((1e6 * graph_seconds(timed_call, device), tiles))
                 except Exception as e:  # recorded, never chosen
                     errors.append({"kind": kind, "shape": name, "m": m, "tiles": list(tiles), "error": _error(e)})
             timed.sort()
@@ -244,7 +304,7 @@ def main(argv=None) -> int:
     )
     parser.set_defaults(size="8b")
     parser.add_argument(
-        "--m", default=",".join(map(str, DEFAULT_M)), metavar="M1,M2,...", help="rows of x (default: 1,8,16)"
+        "--m", default=",".join(map(str, DEFAULT_M)), metavar="M1,M2,...", help="rows of x (default: %(default)s)"
     )
     parser.add_argument(
         "--kinds", default=",".join(KINDS), metavar="K1,...", help=f"GEMM kinds (default: {','.join(KINDS)})"

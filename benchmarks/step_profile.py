@@ -8,7 +8,7 @@ own CPU time instead.
 Categories (first match of the kernel or operator name, case-insensitive):
 
 * ``attention``: SDPA's kernels;
-* ``gemm``: cuBLAS / cuBLASLt / CUTLASS kernels (BF16 ``F.linear``, ``torch._scaled_mm``) and the
+* ``gemm``: cuBLAS / cuBLASLt / CUTLASS kernels (gemm and gemv) (BF16 ``F.linear``, ``torch._scaled_mm``) and the
   Triton FP8 GEMMs with their split-K reduction;
 * ``act_quant``: the fused activation quantization (``kernels.fp8_act``);
 * ``other``: everything else (norms, rotary, residual adds, KV cache writes, casts, copies).
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-GEMM_NAMES = r"gemm|cutlass|xmma|nvjet|cublas|scaled_mm|split_k_reduce|aten::(linear|matmul|addmm|mm|bmm)\b"
+GEMM_NAMES = r"gemm|gemv|cutlass|xmma|nvjet|cublas|scaled_mm|split_k_reduce|aten::(linear|matmul|addmm|mm|bmm)\b"
 CATEGORIES = (  # attention first: SDPA's memory-efficient kernel is a CUTLASS one (fmha_cutlassF...)
     ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.I)),
     ("gemm", re.compile(GEMM_NAMES, re.I)),

@@ -29,7 +29,8 @@ Split-K (``GemmTiles.split_k`` > 1): the K blocks are dealt in equal runs to the
 each program of a split writes its float32 partial [M, N] tile, and a second launch
 (``_split_k_reduce_kernel``) sums the partials in split order, then applies the per-tensor /
 per-channel scale, the bias and the output cast, in that order as the unsplit kernel does. Wider
-column tiles then still give enough programs to fill the GPU, and read x fewer times.
+column tiles then still give enough programs to fill the GPU, and read x fewer times. The built-in
+tables never split; a tuned configuration may (whether it pays is measured, not assumed).
 
 The interpreter (CPU, tests) decodes with integer ops and multiplies in float32 with IEEE
 products (``DOT_DTYPE``); bf16 output is rounded half to even by hand, as in ``fp8_tiles``.
@@ -201,7 +202,7 @@ def _w8a16_gemm_kernel(
 ):
     # DOT_DTYPE: x's dtype on CUDA (tensor cores); float32 with IEEE products in the interpreter.
     # SPLIT: K is split (k_split columns a split, a multiple of BLOCK_K); the float32 partial goes to
-    # partial_ptr and _split_k_reduce_kernel finishes (scale, bias, cast). Otherwise k_split == k.
+    # partial_ptr and _split_k_reduce_kernel finishes (scale, bias, cast). Otherwise k_split >= k (one split).
     rm, rn, split = program_tile(m, n, BLOCK_M, BLOCK_N)
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, k)
@@ -242,7 +243,7 @@ def _split_k_reduce_kernel(
 ):
     # outputs [pid * BLOCK, +BLOCK) of the flattened [m, n]: the splits' partials summed in split order
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    size = m.to(tl.int64) * n
+    size = tl.cast(m, tl.int64) * n  # not m.to(): m == 1 arrives as a Python int (Triton's specialization)
     mask = offs < size
     acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
     for s in range(1, splits):
@@ -351,7 +352,7 @@ def _run(fn, device, m, n, k, tiles, pointers, sizes, epilogue, **constexprs) ->
     span, splits = k_span(k, tiles)
     scale, bias, out, scale_mode = epilogue
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n) * splits,)
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=device) if splits > 1 else scale
+    partial = _empty((splits, m, n), torch.float32, device) if splits > 1 else scale
     options = {} if device.type == "cpu" else dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     launch(fn, device, grid, *pointers, partial, m, n, k, *sizes, span, SPLIT=splits > 1, **blocks, **constexprs,
@@ -364,6 +365,12 @@ def _run(fn, device, m, n, k, tiles, pointers, sizes, epilogue, **constexprs) ->
             HAS_BIAS=bias is not None, SCALE_MODE=scale_mode, BLOCK=REDUCE_BLOCK,
             **({} if device.type == "cpu" else dict(num_warps=4)),
         )  # fmt: skip
+
+
+def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The GEMMs' output and split-K partials: uninitialized (the tuner fills them with NaN instead, so a
+    configuration that leaves elements unwritten cannot pass its check on stale memory)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _fit_block(tiles: GemmTiles) -> GemmTiles:
@@ -399,7 +406,7 @@ def w8a16_gemm(
         raise TypeError(f"w8a16_gemm: x must be contiguous bf16/fp16, got {x.dtype}")
     granularity = scale_layout(weight, scale)
     (m, k), n = x.shape, weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = _empty((m, n), x.dtype, x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -471,7 +478,7 @@ def w8a8_gemm(
         raise TypeError(f"w8a8_gemm: out_dtype must be bf16 or fp16, got {out_dtype}")
     if xq.device.type == "cuda" and not fp8_native(xq.device):
         raise RuntimeError("w8a8_gemm needs FP8 tensor cores (sm_89+); use w8a16_gemm")
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    out = _empty((m, n), out_dtype, xq.device)
     if m == 0 or n == 0:
         return out
     if k == 0:

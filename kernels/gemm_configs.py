@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+FIELDS = 6  # block_m, block_n, block_k, split_k, num_warps, num_stages (kernels.fp8_gemm.GemmTiles)
 # W8A16 per tensor / channel, W8A16 per block, W8A8 per block, W8A8 per tensor / channel. "w8a8" is stored only
 # where it beat torch._scaled_mm, which quant.fp8 runs otherwise
 KINDS = ("w8a16", "w8a16-block", "w8a8-block", "w8a8")
@@ -54,11 +55,17 @@ def _load(path: Path) -> dict:
         return {}
     try:
         configs = json.loads(path.read_text())["configs"]
-        return {
+        table = {
             kind: {shape: sorted((int(m), tuple(int(v) for v in fields)) for m, fields in rows.items())
                    for shape, rows in shapes.items()}
             for kind, shapes in configs.items()
         }  # fmt: skip
+        for kind, shapes in table.items():
+            for shape, rows in shapes.items():
+                for m, fields in rows:
+                    if len(fields) != FIELDS or min(fields) < 1:
+                        raise ValueError(f"{kind} {shape} M={m}: {list(fields)} is not {FIELDS} positive integers")
+        return table
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{path}: not a GEMM configuration file ({type(e).__name__}: {e})") from e
 

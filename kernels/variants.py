@@ -168,8 +168,9 @@ def gemm_variants() -> Iterator[KernelVariant]:
     under a minute): the decode tile (first table row) in every scale layout, with a bias, 16-aligned
     (the common runtime case, see ``KernelVariant.aligned``), integer e4m3 decode on sm_80 and FP8
     hardware on sm_90 (sm_89 once); then one variant for each other code difference: unaligned, int64
-    sizes, fp16, split K (partials out), and each larger tile (sm_90); and the split-K reduction in each
-    output dtype and scale mode.
+    sizes, fp16, split K (partials out), M = 1 (index type "m1": Triton passes an integer argument equal to 1
+    as the constant 1, so ``m`` is then a Python int inside the kernel), and each larger tile (sm_90); and the
+    split-K reduction in each output dtype and scale mode, and with M = 1.
     """
     bf16, fp16 = torch.bfloat16, torch.float16
     # (kind, dtype, tile row, scale layout, index type, bias, aligned, FP8 targets, sm_80 too, split K)
@@ -181,6 +182,7 @@ def gemm_variants() -> Iterator[KernelVariant]:
         ("w8a16", fp16, 0, "channel", "i32", False, True, (90,), False, False),
         ("w8a16", bf16, 0, "channel", "i32", False, True, (90,), True, True),
         ("w8a16", bf16, 0, "block", "i32", False, True, (90,), False, True),
+        ("w8a16", bf16, 0, "channel", "m1", True, True, (90,), True, True),
     ]
     specs += [
         ("w8a16", bf16, t, g, "i32", False, True, (90,), False, False) for t in (1, 2, 3) for g in ("channel", "block")
@@ -194,6 +196,8 @@ def gemm_variants() -> Iterator[KernelVariant]:
         ("w8a8", bf16, 0, "channel", "i32", True, True, (89, 90), False, False),
         ("w8a8", bf16, 0, "tensor", "i32", False, True, (90,), False, False),
         ("w8a8", bf16, 0, "channel", "i32", False, True, (90,), False, True),
+        ("w8a8", bf16, 0, "block", "m1", True, True, (90,), False, True),
+        ("w8a8", bf16, 0, "tensor", "m1", False, True, (90,), False, False),
     ]
     specs += [("w8a8", bf16, t, "block", "i32", False, True, (90,), False, False) for t in (1, 2, 3)]
     cuda = torch.device("cuda")
@@ -207,16 +211,19 @@ def gemm_variants() -> Iterator[KernelVariant]:
         options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         label = f"{block_m}x{block_n}x{block_k},{index_type},{'bias' if has_bias else 'nobias'}"
         label += ",split" if split else ""
-        sizes = dict(m=index_type, n=index_type, k=index_type, k_split=index_type)
+        width = "i32" if index_type == "m1" else index_type
+        sizes = dict(m=width, n=width, k=width, k_split=width)
+        m_const = {"m": 1} if index_type == "m1" else {}
         if kind == "w8a16":
             fn, alignment = _w8a16_gemm_kernel, W8A16_ALIGNED
             types = dict(sizes, x_ptr=ptr, w_ptr="*u8", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr)
-            types.update(partial_ptr="*fp32", scale_cols=index_type)
+            types.update(partial_ptr="*fp32", scale_cols=width)
             forms = [(True, fp8_targets)] + ([(False, (80,))] if sm80 else [])
             for native, targets in forms:
                 const = dict(
                     IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[granularity], FP8_NATIVE=native,
                     DOT_DTYPE=dot_dtype(dtype, cuda), SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                    **m_const,
                 )  # fmt: skip
                 yield KernelVariant(
                     f"w8a16_gemm[{name},{granularity},{label},{'native' if native else 'int'}"
@@ -227,10 +234,10 @@ def gemm_variants() -> Iterator[KernelVariant]:
             fn, alignment = _w8a8_gemm_kernel, W8A8_ALIGNED
             types = dict(sizes, xq_ptr="*u8", x_scale_ptr="*fp32", w_ptr="*u8", w_scale_ptr="*fp32")
             types.update(bias_ptr=ptr, out_ptr=ptr, partial_ptr="*fp32")
-            types.update(x_scale_cols=index_type, w_scale_cols=index_type)
+            types.update(x_scale_cols=width, w_scale_cols=width)
             const = dict(
                 OUT_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[granularity], FP8_NATIVE=True,
-                SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **m_const,
             )  # fmt: skip
             yield KernelVariant(
                 f"w8a8_gemm[{name},{granularity},{label}{',aligned' if aligned else ''}]",
@@ -241,11 +248,14 @@ def gemm_variants() -> Iterator[KernelVariant]:
         ptr = POINTER_TYPES[dtype]
         types = dict(partial_ptr="*fp32", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr, m="i32", n="i32", splits="i32")
         for granularity, mode in SCALE_MODES.items():
-            const = dict(OUT_BF16=dtype == torch.bfloat16, HAS_BIAS=True, SCALE_MODE=mode, BLOCK=REDUCE_BLOCK)
-            yield KernelVariant(
-                f"split_k_reduce[{str(dtype)[6:]},{granularity}]", fn, _signature(fn, types, const), const,
-                ACT_TARGETS, dict(num_warps=4),
-            )  # fmt: skip
+            for m_const in ({}, {"m": 1}):
+                const = dict(
+                    OUT_BF16=dtype == torch.bfloat16, HAS_BIAS=True, SCALE_MODE=mode, BLOCK=REDUCE_BLOCK, **m_const
+                )
+                yield KernelVariant(
+                    f"split_k_reduce[{str(dtype)[6:]},{granularity}{',m1' if m_const else ''}]", fn,
+                    _signature(fn, types, const), const, ACT_TARGETS, dict(num_warps=4),
+                )  # fmt: skip
 
 
 # pointers and the sizes that are multiples of 16 in real models (M, the batch, usually is not); k_split, the

@@ -286,6 +286,7 @@ def test_step_profile_categories_of_real_kernel_names():
         "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize64x64x128_warpgroupsize1x1x1": "gemm",
         "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>": "gemm",
         "_w8a16_gemm_kernel": "gemm",
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false>": "gemm",
         "_split_k_reduce_kernel": "gemm",
         "_act_quant_token_kernel": "act_quant",
         "_act_amax_kernel": "act_quant",

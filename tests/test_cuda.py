@@ -142,7 +142,8 @@ def test_compiled_gemms_within_the_f64_bound(granularity, dtype):
     from layerwise.kernels.fp8_gemm import GemmTiles, w8a8_gemm, w8a16_gemm
     from tests.test_kernels_gemm import SHAPES, _operands, assert_close_to_f64
 
-    for i, (m, n, k) in enumerate([*SHAPES, (8, 4096, 4096), (64, 1024, 14336), (300, 640, 1000)]):
+    # (1, 512, 1000): M == 1 reaches the kernels as Triton's constant 1, split K over 8 blocks included
+    for i, (m, n, k) in enumerate([*SHAPES, (8, 4096, 4096), (64, 1024, 14336), (300, 640, 1000), (1, 512, 1000)]):
         x, q, s, bias = _operands(m, n, k, dtype, granularity, i)
         w64 = reference.dequantize(q, s, torch.float64)
         split = GemmTiles(16, 64, 128, 4, 4, 3)  # K split in up to 4 runs, the reduction finishing

@@ -10,7 +10,7 @@ from layerwise.benchmarks import gemm_tune
 from layerwise.benchmarks.checkpoints import shape
 from layerwise.kernels import gemm_configs
 from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, gemm_tiles, launch_tiles
-from layerwise.kernels.gemm_configs import config_path, device_slug, write_configs
+from layerwise.kernels.gemm_configs import KINDS, config_path, device_slug, write_configs
 
 GPU = "NVIDIA Test GPU 80GB HBM3"
 SMALL = gemm_tune.projections(shape("small"))  # name -> [N, K]
@@ -48,11 +48,22 @@ def test_launch_tiles_take_the_tuned_configuration_of_the_shape_and_m(fake_gpu):
     assert launch_tiles("w8a16", 1, 64, 256, torch.device("cpu")) == TILES_INTERPRET
 
 
-def test_a_malformed_configuration_file_is_named(fake_gpu):
-    fake_gpu.write_text(json.dumps({"configs": {"w8a16": {"64,256": {"x": [1, 2]}}}}))
+@pytest.mark.parametrize("rows", [{"x": [1, 2, 3, 4, 5, 6]}, {"8": [16, 64, 128, 2]}, {"8": [16, 0, 128, 1, 4, 3]}])
+def test_a_malformed_configuration_file_is_named(fake_gpu, rows):
+    fake_gpu.write_text(json.dumps({"configs": {"w8a16": {"64,256": rows}}}))
     gemm_configs.clear_caches()
     with pytest.raises(ValueError, match="nvidia-test-gpu-80gb-hbm3.json: not a GEMM configuration file"):
         launch_tiles("w8a16", 1, 64, 256, CUDA)
+
+
+def test_weight_copies_outgrow_twice_the_l2_cache(monkeypatch):
+    class Properties:
+        L2_cache_size = 50 * 2**20  # an H100's
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    assert gemm_tune.weight_copies(4096 * 4096, CUDA) == 7  # o_proj in FP8: 16.8 MB, 7 copies > 100 MiB
+    assert gemm_tune.weight_copies(2 * 28672 * 4096, CUDA) == 1  # gate_up_proj in BF16: 235 MB alone
+    assert gemm_tune.weight_copies(4096 * 4096, torch.device("cpu")) == 1
 
 
 def test_the_tuner_keeps_the_fastest_correct_candidate(monkeypatch, tmp_path):
@@ -60,9 +71,9 @@ def test_the_tuner_keeps_the_fastest_correct_candidate(monkeypatch, tmp_path):
     # it is the fastest
     real = gemm_tune._gemm
 
-    def gemm_wrong_when_split(kind, ops):
-        call = real(kind, ops)
-        return lambda tiles: call(tiles) * (2 if tiles.split_k == 2 else 1)
+    def gemm_wrong_when_split(kind, ops, layout=None):
+        call, expected = real(kind, ops, layout)
+        return (lambda tiles, i: call(tiles, i) * (2 if tiles.split_k == 2 else 1)), expected
 
     monkeypatch.setattr(gemm_tune, "_gemm", gemm_wrong_when_split)
     result = gemm_tune.tune("small", "cpu", ms=(8,), kinds=("w8a16",))
@@ -108,3 +119,20 @@ def test_w8a8_is_stored_only_where_it_beat_scaled_mm():
     assert set(gemm_tune.best_configs(result(4.0, {"scaled_mm per row": 6.0}))) == {"w8a16"}  # none per tensor
     no_fp8 = {"scaled_mm per tensor": "RuntimeError: ...", "scaled_mm per row": 6.0}
     assert set(gemm_tune.best_configs(result(4.0, no_fp8))) == {"w8a16"}
+
+
+def test_the_check_rejects_elements_left_unwritten():
+    # the check fills the GEMMs' outputs with NaN first: a configuration that writes nothing cannot pass on
+    # memory the allocator hands back still holding a correct result
+    from layerwise.kernels import fp8_gemm
+
+    cpu, expected, original = torch.device("cpu"), torch.ones(2, 3), fp8_gemm._empty
+    writes_nothing = lambda tiles, i: fp8_gemm._empty((2, 3), torch.float32, cpu)  # noqa: E731
+    with pytest.raises(ValueError, match="output off by nan"):
+        gemm_tune.check(writes_nothing, expected, TILES_INTERPRET)
+    assert fp8_gemm._empty is original  # restored after the check
+    ops = gemm_tune._operands(24, 300, 3, cpu, seed=0)
+    for kind in KINDS:  # the real kernels pass, in both layouts of "w8a8"
+        for layout in (None, "tensor") if kind == "w8a8" else (None,):
+            call, reference_output = gemm_tune._gemm(kind, ops, layout)
+            gemm_tune.check(call, reference_output, TILES_INTERPRET._replace(split_k=2))

@@ -77,6 +77,11 @@ def test_the_matrix_covers_every_gemm():
     for dtype in ("bfloat16", "float16"):
         for layout in ("tensor", "channel", "block"):
             assert f"split_k_reduce[{dtype},{layout}]" in names
+            assert f"split_k_reduce[{dtype},{layout},m1]" in names  # M == 1 arrives as the constant 1
+    assert "w8a16_gemm[bfloat16,channel,16x16x256,m1,bias,split,native,aligned]" in names
+    assert "w8a16_gemm[bfloat16,channel,16x16x256,m1,bias,split,int,aligned]" in names
+    assert "w8a8_gemm[bfloat16,block,16x16x128,m1,bias,split,aligned]" in names
+    assert "w8a8_gemm[bfloat16,tensor,16x16x128,m1,nobias,aligned]" in names
     for kind, table in (("w8a16_gemm", W8A16_TILES_CUDA), ("w8a8_gemm", W8A8_TILES_CUDA)):
         for _, (block_m, *_) in table:  # every tile row of both tables is built
             assert any(n.startswith(f"{kind}[bfloat16,") and f",{block_m}x" in n for n in names), (kind, block_m)
