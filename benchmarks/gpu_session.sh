@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh suite    # the 8b suite: peak memory, reload, decode step   (~8 min)
 #   bash benchmarks/gpu_session.sh moe      # MoE load + the 8b reload alone (quicker re-check),
 #                                           # and a cProfile of the first 8b load in a process  (~6 min)
-#   bash benchmarks/gpu_session.sh tune     # GEMM tiles for the 8b projections at M = 8 (decode);
+#   bash benchmarks/gpu_session.sh tune     # GEMM tiles for the 8b projections at M = 1 and 8 (decode);
 #                                           # writes kernels/configs/<gpu>.json into $OUT/configs  (~5 min)
 #
 # Run from the repository root. A torchao wheel in .whl/ (`pip download torchao==0.17.0 --no-deps -d .whl`)

@@ -195,7 +195,7 @@ def quantize_triton(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
             cuda (compiled) or cpu (interpreted).
         scale: float32 scale: 1 element (per tensor), [N, 1] (per channel) or
             [ceil(N/128), ceil(K/128)] (per block), on w's device.
-        out: optional contiguous float8_e4m3fn tensor of w's shape.
+        out: optional contiguous float8_e4m3fn tensor of w's shape on w's device, not sharing w's storage.
     Returns:
         float8_e4m3fn tensor of w's shape, bit-identical to ``kernels.reference.quantize``.
     Raises:
@@ -205,8 +205,10 @@ def quantize_triton(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
     check_input(w, "quantize_triton", ndim=None if granularity == "tensor" else 2)
     if out is None:
         out = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
-    if out.shape != w.shape or out.dtype != FP8_DTYPE or not out.is_contiguous():
-        raise ValueError(f"quantize_triton: out must be contiguous {FP8_DTYPE} of shape {tuple(w.shape)}")
+    if out.shape != w.shape or out.dtype != FP8_DTYPE or not out.is_contiguous() or out.device != w.device:
+        raise ValueError(f"quantize_triton: out must be contiguous {FP8_DTYPE} of shape {tuple(w.shape)} on {w.device}")
+    if out.numel() and out.untyped_storage().data_ptr() == w.untyped_storage().data_ptr():
+        raise ValueError("quantize_triton: out shares memory with w (the kernel reads w while it writes out)")
     if w.numel() == 0:
         return out
     x, is_bf16 = as_kernel_input(as_matrix(w))

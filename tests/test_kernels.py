@@ -288,6 +288,9 @@ def test_triton_quantize_writes_straight_into_out(monkeypatch, granularity):
     out = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     assert kernels.fp8_quantize(w, scale, "triton", out=out) is out
     assert written == [out.data_ptr()] and torch.equal(out.view(torch.uint8), q_ref.view(torch.uint8))
+    alias = torch.empty(0, dtype=torch.float8_e4m3fn).set_(w.untyped_storage(), 0, w.shape)  # w's own bytes
+    with pytest.raises(ValueError, match="shares memory with w"):  # the kernel would overwrite what it reads
+        kernels.fp8_quantize(w, scale, "triton", out=alias)
     strided = torch.empty(300, 130, dtype=torch.float8_e4m3fn).t()  # not contiguous: quantized, then copied in
     assert kernels.fp8_quantize(w, scale, "triton", out=strided) is strided
     assert torch.equal(strided.contiguous().view(torch.uint8), q_ref.view(torch.uint8))

@@ -46,20 +46,20 @@ def test_cache_masks_once_per_window(tmp_path, monkeypatch):
 
 
 def test_q_and_k_rotated_together_in_the_decode_step(tmp_path, monkeypatch):
-    """Llama's q and k are adjacent heads of the qkv_proj output: one rotation (one roll) per layer in a
+    """Llama's q and k are adjacent heads of the qkv_proj output: one rotation (one flip) per layer in a
     cached decode step, where Qwen3's per-head norms make two; the logits tests cover the values."""
-    rolls = []
-    roll = torch.Tensor.roll
-    monkeypatch.setattr(torch.Tensor, "roll", lambda self, *a, **k: rolls.append(self.shape) or roll(self, *a, **k))
+    flips = []
+    flip = torch.Tensor.flip
+    monkeypatch.setattr(torch.Tensor, "flip", lambda self, *a, **k: flips.append(self.shape) or flip(self, *a, **k))
     for arch, per_layer in (("LlamaForCausalLM", 1), ("Qwen3ForCausalLM", 2)):
         path = write_hf_checkpoint(tmp_path / arch, arch, num_layers=3)
         model = layerwise.load_model(path, quantization=None)
         attn = model.model.layers[0].self_attn
         shape = (2, 8, attn.num_kv_heads, attn.head_dim)
         caches = [tuple(torch.zeros(shape, dtype=torch.bfloat16) for _ in "kv") for _ in range(3)]
-        rolls.clear()
+        flips.clear()
         with torch.no_grad():
             model.model(torch.tensor([[5], [7]]), torch.tensor([[3], [4]]), caches)
-        assert len(rolls) == 3 * per_layer, arch
+        assert len(flips) == 3 * per_layer, arch
         if per_layer == 1:
-            assert rolls[0][2] == attn.num_heads + attn.num_kv_heads  # the joint [B, T, Hq + Hk, D] view
+            assert flips[0][2] == attn.num_heads + attn.num_kv_heads  # the joint [B, T, Hq + Hk, D] view

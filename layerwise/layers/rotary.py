@@ -7,13 +7,13 @@ transformers' ``longrope_frequency_update``). A partial rotary dimension (Phi-3'
 ``partial_rotary_factor``) rotates the first ``rotary_dim`` features of each head and passes the rest.
 Frequencies are non-persistent buffers created directly on the target device (they are not in
 checkpoints); cos/sin are computed in float32 from the positions, once per model forward (``cos_sin``)
-and applied by every layer (``apply``).
+and applied by every layer (``rotate`` / ``apply``).
 
 Fewer kernels per decode step, same values: transformers' ``rotate_half(x) * sin`` is computed as
-``x.roll(R/2) * signed_sin``, where ``signed_sin`` (made once per forward) carries rotate_half's minus on
-its first half (one roll instead of a neg and a cat; (-a) * b and a * (-b) are the same float); and when q
-and k are adjacent heads of one buffer (the fused qkv_proj output, without per-head norms in between), both
-are rotated by one set of kernels over the joint [B, T, Hq + Hk, D] view.
+``swap_halves(x) * signed_sin``, where ``signed_sin`` (made once per forward) carries rotate_half's minus
+on its first half (one flip instead of a neg and a cat; (-a) * b and a * (-b) are the same float); and a
+model without per-head q/k norms rotates q and k as one [B, T, Hq + Hk, D] view of its qkv_proj output
+(``LlamaAttention.forward``), one set of kernels for both.
 """
 
 from __future__ import annotations
@@ -137,42 +137,25 @@ class RotaryEmbedding(nn.Module):
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos.to(dtype), signed_sin.to(dtype)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
-        """Rotate the first ``rotary_dim`` features of every head of q [B, T, Hq, D] and k [B, T, Hk, D]
-        by :meth:`cos_sin`'s tensors; returns (q, k) of the same shapes (views of one tensor where q and k
-        were adjacent heads of one buffer)."""
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the first ``rotary_dim`` features of every head of x [B, T, H, D] by :meth:`cos_sin`'s tensors:
+        x * cos + rotate_half(x) * sin, with rotate_half(x) * sin computed as swap_halves(x) * signed_sin."""
         r = self.rotary_dim
-        if r == q.shape[-1]:
-            qk = adjacent_heads(q, k)
-            if qk is not None:
-                out = _rotate(qk, cos, signed_sin)
-                return out[:, :, : q.shape[2]], out[:, :, q.shape[2] :]
-            return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
-        return (
-            torch.cat((_rotate(q[..., :r], cos, signed_sin), q[..., r:]), dim=-1),
-            torch.cat((_rotate(k[..., :r], cos, signed_sin), k[..., r:]), dim=-1),
-        )
+        if r == x.shape[-1]:
+            return x * cos + swap_halves(x) * signed_sin
+        rot = x[..., :r]
+        return torch.cat((rot * cos + swap_halves(rot) * signed_sin, x[..., r:]), dim=-1)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
+        """:meth:`rotate` q [B, T, Hq, D] and k [B, T, Hk, D]; returns (q, k) of the same shapes."""
+        return self.rotate(q, cos, signed_sin), self.rotate(k, cos, signed_sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """:meth:`apply` with :meth:`cos_sin` of ``positions`` in q's dtype."""
         return self.apply(q, k, *self.cos_sin(positions, q.dtype))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin (rotate_half(x) = cat(-x2, x1)), as x * cos + roll(x, R/2) * signed_sin."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """q [B, T, Hq, D] and k [B, T, Hk, D] as one [B, T, Hq + Hk, D] view when k's heads directly follow q's
-    in memory with the same strides (the split of a fused qkv_proj output), else None."""
-    if q.dtype != k.dtype or q.device != k.device or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        return None
-    if q.stride(3) != 1 or q.stride(2) != q.shape[3] or k.stride()[2:] != q.stride()[2:]:
-        return None
-    # B and T strides must agree where they matter (a dimension of size 1 may carry any stride)
-    if any(n > 1 and q.stride(i) != k.stride(i) for i, n in enumerate(q.shape[:2])):
-        return None
-    if k.data_ptr() != q.data_ptr() + q.shape[2] * q.stride(2) * q.element_size():
-        return None
-    return q.as_strided((*q.shape[:2], q.shape[2] + k.shape[2], q.shape[3]), q.stride())
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """cat(x2, x1) of the last dimension's halves x1, x2, as one flip of a [..., 2, D/2] view: a single kernel
+    that reads strided input as it is (torch.roll would copy a non-contiguous input first on CUDA)."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)

@@ -129,9 +129,9 @@ class LlamaAttention(nn.Module):
         Qwen3: on the layers ``config.is_sliding_layer`` names."""
         return None
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
-        """Hook for per-head q/k normalization (identity in Llama)."""
-        return q, k
+    # Hook for per-head q/k normalization between the projection and the rotation: None in Llama; Qwen3 defines
+    # qk_norm(q, k) -> (q, k). Without it q and k are rotated together, as one view of the qkv_proj output.
+    qk_norm = None
 
     def forward(
         self,
@@ -143,15 +143,19 @@ class LlamaAttention(nn.Module):
         """x [B, T, H] at int64 positions [B, T] -> [B, T, H]; ``attn_metadata``: the model's rotary cos/sin
         and cache masks for this forward (computed here when not given)."""
         b, t, _ = x.shape
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = self.qk_norm(q, k)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
         if attn_metadata is None:
-            attn_metadata = AttentionMetadata(self.rotary_emb.cos_sin(positions, q.dtype))
-        q, k = self.rotary_emb.apply(q, k, *attn_metadata.position_embeddings)
+            attn_metadata = AttentionMetadata(self.rotary_emb.cos_sin(positions, qkv.dtype))
+        v = qkv[..., (heads + kv_heads) * d :].view(b, t, kv_heads, d)
+        if self.qk_norm is None:  # q and k heads are adjacent in qkv: one rotation for both (fewer kernels)
+            qk = qkv[..., : (heads + kv_heads) * d].view(b, t, heads + kv_heads, d)
+            q, k = self.rotary_emb.rotate(qk, *attn_metadata.position_embeddings).split([heads, kv_heads], dim=2)
+        else:
+            q = qkv[..., : heads * d].view(b, t, heads, d)
+            k = qkv[..., heads * d : (heads + kv_heads) * d].view(b, t, kv_heads, d)
+            q, k = self.qk_norm(q, k)
+            q, k = self.rotary_emb.apply(q, k, *attn_metadata.position_embeddings)
         mask = attn_metadata.masks.get(self.sliding_window) if attn_metadata.masks else None
         return self.o_proj(attention(q, k, v, positions, kv_cache, self.scale, self.sliding_window, mask))
 
