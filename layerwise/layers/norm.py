@@ -18,7 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = ModelWeightParameter(torch.empty(hidden_size, dtype=params_dtype), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's rms_norm on the float32 input: x * rsqrt(mean(x^2) + eps), one fused kernel on CUDA
-        # (aten._fused_rms_norm) where the spelled-out formula takes five; then the weight in x's dtype
-        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # torch's rms_norm, x * rsqrt(mean(x^2) + eps): one fused kernel on CUDA (aten._fused_rms_norm) where the
+        # spelled-out formula takes five. For bf16/fp16 x it computes in float32 and rounds once to x's dtype,
+        # as transformers' x.float() ... .to(dtype) does, without the two casts as kernels of their own; then the
+        # weight, in x's dtype
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
