@@ -68,9 +68,8 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    overwritten before its finiteness check: one that then fails the check is reported as updated
    (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the
    all-or-nothing behaviour.
-12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple, and every checkpoint-format
-   weight update, on CUDA without tensor parallelism: ``api.model_defers_checks``) makes no host read of its
-   own while it streams dense modules
+12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple on CUDA, without tensor
+   parallelism: ``api._defers_checks``) makes no host read of its own while it streams dense modules
    (BF16, FP8, and torchao weights of a shape already checked against torchao's bytes), so the GPU is
    not left idle while Python routes the next module: its NaN/Inf checks (``check_finite``, the FP8
    scale's amax) append a device flag instead of raising (``layerwise.kernels.finite``), its copies of
@@ -84,11 +83,7 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    changes nothing (the flags are read before the commit). Another error that ends the stream first is
    raised as before, with the NaN modules already written in ``ReloadError.non_finite_modules``. The
    stream's tensors must stay unchanged until the call returns: finalize and abort wait for the device
-   before returning. A weight update reports a NaN at ``finish``, not in the ``receive`` that brought it;
-   each ``load_weights`` call copies the buffered views of its batch (on their device) and waits for the
-   device before it returns, so the transport may refill, and a trainer reuse or unmap, the batch's memory:
-   one wait per batch (a packed NCCL bucket) instead of one per module. Unit-wise modules (9) keep checking
-   as they go.
+   before returning. Unit-wise modules (9) keep checking as they go.
 """
 
 from layerwise.reload.session import (

@@ -506,7 +506,7 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def wait_for_device(session: ReloadSession) -> None:
+def _drain(session: ReloadSession) -> None:
     """Wait for the device work a session that defers its checks may have left queued on the device's current
     stream (copies from the caller's tensors among it): after this the caller may reuse those tensors."""
     if session.defer_checks and session.device.type == "cuda":
@@ -517,7 +517,7 @@ def _failed_deferred(session: ReloadSession) -> list[DeferredCheck]:
     """Wait for the device, then read every deferred check in one go (Limitations 12) and forget them; returns the
     checks of the modules that held NaN or Inf (written like the others)."""
     checks, session.deferred = session.deferred, []
-    wait_for_device(session)
+    _drain(session)
     if not checks:
         return []
     flags = torch.stack([c.flag for c in checks]).tolist()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerwise.api import ReloadReport, model_defers_checks
+from layerwise.api import ReloadReport
 from layerwise.errors import (
     DuplicateWeightError,
     LayerwiseError,
@@ -44,7 +44,6 @@ from layerwise.reload.session import (
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,
-    wait_for_device,
 )
 from layerwise.routing import stream_weights
 from layerwise.transfer.base import WeightTransferEngine, WeightTransferError, WeightTransferUpdateRequest
@@ -90,8 +89,8 @@ class WeightUpdate:
         self._tied_seen: str | None = None  # which of the tied names arrived first
         self._targets: dict[str, torch.Tensor] = {}
         self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if is_checkpoint_format:  # Limitations 12 on CUDA: NaN/Inf read at finish, no host read per module
-            self.session = initialize_layerwise_reload(model, atomic=atomic, defer_checks=model_defers_checks(model))
+        if is_checkpoint_format:
+            self.session = initialize_layerwise_reload(model, atomic=atomic)
         else:
             self._targets = kernel_targets(model)
 
@@ -128,16 +127,12 @@ class WeightUpdate:
         """Feed (name, tensor) pairs into the update (the ``load_weights`` of ``receive_weights``).
 
         After it returns no reference to the given tensors is kept (a module still waiting for its
-        other tensors holds a copy: on the CPU, or on the tensor's device where the update defers its checks),
-        so the caller may reuse their memory (where the update defers its checks, the call waits for the device
-        before it returns: one wait per batch instead of one per module).
+        other tensors holds a copy, on the CPU), so the caller may reuse their memory.
 
         Raises:
             ReloadError: an unknown name, a wrong shape or dtype, a NaN/Inf, a region written twice, or
                 more than ``max_buffered_bytes`` buffered; names the tensor (``key``), lists
-                ``updated_modules``; the update is aborted. On CUDA without tensor parallelism a NaN/Inf in
-                the checkpoint format is found at :meth:`finish` instead (Limitations 12 in
-                ``layerwise/reload/__init__.py``).
+                ``updated_modules``; the update is aborted.
         """
         self._check_open()
         batch = list(weights)
@@ -154,9 +149,6 @@ class WeightUpdate:
         finally:
             if self.session is not None and not self.closed:
                 self._own_buffered(batch)
-                # copies that did not wait (Limitations 12) may still read the batch, and the caller may reuse,
-                # refill or unmap its memory (a trainer's CUDA IPC tensors) once this returns
-                wait_for_device(self.session)
 
     def _load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
         if not tensor.is_floating_point():
@@ -181,16 +173,16 @@ class WeightUpdate:
             )
 
     def _own_buffered(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        """Replace buffered views of the batch's memory by copies (Limitations 2): CPU views, and device views
-        where the session defers its checks and keeps the caller's device tensors (Limitations 12; the copy is
-        queued on the current stream, before the transport refills the buffer)."""
-        storages = {(t.device, t.untyped_storage().data_ptr()) for _, t in batch}
+        """Replace buffered CPU views of the batch's memory by copies (Limitations 2)."""
+        storages = {t.untyped_storage().data_ptr() for _, t in batch if t.device.type == "cpu"}
+        if not storages:
+            return
         for module in self.session.modules.values():
             info = get_layerwise_info(module)
             units = [state.loaded_weights for state in info.units.values()]  # an MoE layer's per-expert loads
             for buffered in itertools.chain(info.loaded_weights, *units):
                 w = buffered.loaded_weight
-                if (w.device, w.untyped_storage().data_ptr()) in storages:
+                if w.device.type == "cpu" and w.untyped_storage().data_ptr() in storages:
                     buffered.loaded_weight = w.clone()
 
     def _load_kernel_tensor(self, name: str, tensor: torch.Tensor) -> None:
@@ -266,9 +258,7 @@ class WeightUpdate:
         if isinstance(e, ReloadError):
             return
         # a LayerwiseError, or any other exception of the trainer's stream or of torch: name what was overwritten
-        # (and, where checks were deferred, what was written with NaN or Inf before the error)
-        non_finite = self.session.non_finite_modules if self.session is not None else []
-        raise ReloadError.wrap(e, updated, action="weight update", non_finite_modules=non_finite) from e
+        raise ReloadError.wrap(e, updated, action="weight update") from e
 
     def _check_open(self) -> None:
         if self.closed:
