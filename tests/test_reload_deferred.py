@@ -132,7 +132,7 @@ def test_nan_found_at_finalize_names_the_key_and_every_written_module(pair, sche
     with pytest.raises(layerwise.ReloadError) as e:
         layerwise.reload_weights(model, _stream(b, NAN_KEY))
     assert isinstance(e.value, layerwise.NonFiniteWeightError)
-    assert e.value.key == NAN_KEY and NAN_MODULE in str(e.value)
+    assert e.value.key == NAN_KEY and NAN_MODULE in str(e.value) and e.value.non_finite_modules == [NAN_MODULE]
     # every module of the stream was written, the one with the NaN and those after it included
     fresh = layerwise.load_model(b, quantization=scheme)
     assert "found at the end of the stream" in str(e.value)

@@ -813,7 +813,7 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         updated = abort_layerwise_reload(model)
         if session.first_load:
             raise error
-        raise _NonFiniteOnReload.wrap(error, updated) from error
+        raise _NonFiniteOnReload.wrap(error, updated, non_finite_modules=[c.prefix for c in failed]) from error
     for module in session.modules.values():  # a partial reload's units still queued (Limitations 9)
         info = get_layerwise_info(module)
         if info.pending_units:
