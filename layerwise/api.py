@@ -377,10 +377,17 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
 
 def _defers_checks(model: nn.Module, stream) -> bool:
     """Whether a reload of ``stream`` checks NaN/Inf on the device and reads the results once, at its end, with
-    copies that do not wait (Limitations 12 in ``layerwise/reload/__init__.py``): on CUDA, for a list or tuple
-    (the caller holds its tensors until the call returns; an iterator may refill a buffer it handed out), and
-    without tensor parallelism (a NaN must fail every rank's amax reduction at once)."""
-    if not isinstance(stream, (list, tuple)) or getattr(model, "tp_group", None) is not None:
+    copies that do not wait (Limitations 12 in ``layerwise/reload/__init__.py``): for a list or tuple (the caller
+    holds its tensors until the call returns; an iterator may refill a buffer it handed out) of a model that
+    :func:`model_defers_checks`."""
+    return isinstance(stream, (list, tuple)) and model_defers_checks(model)
+
+
+def model_defers_checks(model: nn.Module) -> bool:
+    """Whether ``model``'s reloads of a list and its checkpoint-format weight updates defer their NaN/Inf checks
+    (Limitations 12): on CUDA (on the CPU no device waits for the host), without tensor parallelism (a NaN must
+    fail every rank's amax reduction at once)."""
+    if getattr(model, "tp_group", None) is not None:
         return False
     return any(p.device.type == "cuda" for p in model.parameters())
 

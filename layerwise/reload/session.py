@@ -127,7 +127,11 @@ def record_metadata_for_reloading(model: nn.Module) -> None:
 
 
 def initialize_layerwise_reload(
-    model: nn.Module, device: torch.device | None = None, atomic: bool = False, defer_checks: bool = False
+    model: nn.Module,
+    device: torch.device | None = None,
+    atomic: bool = False,
+    defer_checks: bool = False,
+    borrow_device_tensors: bool | None = None,
 ) -> ReloadSession:
     """Put every module in checkpoint format on meta and wrap its loaders with online_process_loader.
 
@@ -140,7 +144,11 @@ def initialize_layerwise_reload(
         defer_checks: check NaN/Inf on the device and read the results once, at finalize, and let
             host-to-device copies run ahead (no host synchronization per module on CUDA; Limitations 12).
             Only for a stream whose tensors the caller keeps unchanged until finalize or abort returns
-            (a sequence it holds), and never with a cross-rank amax reduction (tensor parallelism).
+            (a sequence it holds), and never with a cross-rank amax reduction (tensor parallelism). A weight
+            update reads them at the end of each batch instead (:func:`check_deferred`).
+        borrow_device_tensors: a buffered load of a device tensor keeps the caller's tensor instead of a host
+            copy (a host copy synchronizes); default: ``defer_checks``. False for a weight update, whose
+            transport refills the buffers its tensors are views of.
     Returns:
         the session.
     Raises:
@@ -164,8 +172,9 @@ def initialize_layerwise_reload(
         raise RuntimeError("device is required when loading a model that is still on the meta device")
     device = torch.device(device)
     session = ReloadSession(
-        device=device, modules=modules, first_load=first_load, atomic=atomic, defer_checks=defer_checks
-    )
+        device=device, modules=modules, first_load=first_load, atomic=atomic, defer_checks=defer_checks,
+        borrow_device_tensors=defer_checks if borrow_device_tensors is None else borrow_device_tensors,
+    )  # fmt: skip
     if device.type == "cpu":
         # a reload keeps its buffer on the model for the next one (Limitations 8); a first load does not
         kept = model.__dict__.get(_STAGING_ATTR)
@@ -208,9 +217,9 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
             return
         numel = written_numel(writes)
         completes = info.load_numel + numel >= info.load_numel_total
-        # Limitations 2: buffers stay on CPU; a session that defers its checks holds the caller's own tensor
+        # Limitations 2: buffers stay on CPU; a session that borrows device tensors holds the caller's own tensor
         # (kept by the caller anyway, and a copy to the host would synchronize: Limitations 12)
-        if not completes and loaded_weight.device.type != "cpu" and not session.defer_checks:
+        if not completes and loaded_weight.device.type != "cpu" and not session.borrow_device_tensors:
             loaded_weight = loaded_weight.to("cpu")
         info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at))
         info.writes[param_name].extend(writes)
@@ -500,7 +509,7 @@ def _deferral(session: ReloadSession, flags: list[torch.Tensor]) -> Iterator[Non
         yield
 
 
-def _on_device(device: torch.device):
+def on_device(device: torch.device):
     """The session's CUDA device made current (Triton launches on the current device's stream, torch ops on the
     tensors' device: with the model on cuda:1 both must be cuda:1's); nothing for other devices."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -524,12 +533,26 @@ def _failed_deferred(session: ReloadSession) -> list[DeferredCheck]:
     return [c for c, bad in zip(checks, flags, strict=True) if bad]
 
 
-def _non_finite_message(failed: list[DeferredCheck]) -> str:
+def _non_finite_message(failed: list[DeferredCheck], where: str = "the stream") -> str:
     written = "these modules were" if len(failed) > 1 else "the module was"
     return (
         f"non-finite value (NaN or Inf) in a weight of {', '.join(c.prefix for c in failed)}, found at the end of "
-        f"the stream: {written} written with it"
+        f"{where}: {written} written with it"
     )
+
+
+def check_deferred(session: ReloadSession) -> None:
+    """Wait for the device and read the checks deferred so far (Limitations 12), as a weight update does at the
+    end of each batch, while the batch's tensors are still valid (the transport refills them next).
+
+    Raises:
+        NonFiniteWeightError: a module processed since the last read held NaN or Inf; it was written (staged,
+            if atomic) like the others, and is added to ``session.non_finite_modules``. Names the key.
+    """
+    failed = _failed_deferred(session)
+    if failed:
+        session.non_finite_modules.extend(c.prefix for c in failed)
+        raise NonFiniteWeightError(_non_finite_message(failed, "the batch"), key=_find_non_finite_key(failed[0].loads))
 
 
 def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None) -> None:
@@ -784,7 +807,7 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     finally:
         # Limitations 12: the caller may reuse its stream's tensors once the error reaches it, and a NaN the
         # device found before another error ended the stream is still reported
-        session.non_finite_modules = [c.prefix for c in _failed_deferred(session)]
+        session.non_finite_modules.extend(c.prefix for c in _failed_deferred(session))
     return updated
 
 
@@ -864,7 +887,7 @@ def layerwise_session(
         RuntimeError: a session is already open on ``model`` (see initialize_layerwise_reload).
     """
     session = initialize_layerwise_reload(model, device=device, atomic=atomic, defer_checks=defer_checks)
-    with _on_device(session.device):
+    with on_device(session.device):
         try:
             yield session
         except BaseException:

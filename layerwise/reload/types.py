@@ -124,8 +124,8 @@ class DeferredCheck:
     Attributes:
         prefix: the module.
         flag: 0-d bool tensor on the session's device, True when a checked tensor held NaN or Inf.
-        loads: the module's buffered loads (the stream's own tensors, which the caller holds anyway), read
-            again only to name the key holding the NaN or Inf.
+        loads: the module's buffered loads (the stream's own tensors, valid until the checks are read: the caller
+            holds them), read again only to name the key holding the NaN or Inf.
     """
 
     prefix: str
@@ -155,8 +155,12 @@ class ReloadSession:
         unit_bytes: module prefix -> the most checkpoint-format bytes materialized at once on the device
             for it: the whole module, or, for a unit-wise module, its largest processing unit (one
             expert's w13). The session's transient device memory is about the largest of these.
-        defer_checks: finiteness checks are made on the device and read once, at finalize; host-to-device
+        defer_checks: finiteness checks are made on the device and read once, at finalize (or at the end of
+            each batch of a weight update, :func:`layerwise.reload.session.check_deferred`); host-to-device
             copies do not wait (Limitations 12).
+        borrow_device_tensors: a buffered load of a device tensor keeps the caller's tensor instead of a host
+            copy (with ``defer_checks`` on a stream the caller holds until the session ends: a reload of a
+            list; not a weight update, whose transport refills its buffers).
         deferred: the checks of the modules processed so far, with ``defer_checks``.
         non_finite_modules: after an abort with ``defer_checks``, the modules written with NaN or Inf before
             the error that ended the session (their checks were not read yet).
@@ -174,6 +178,7 @@ class ReloadSession:
     committed: list[str] = field(default_factory=list)
     staging: Any = None  # a layerwise.reload.meta.StagingBuffer on CPU (reused module memory), else None
     defer_checks: bool = False
+    borrow_device_tensors: bool = False
     deferred: list[DeferredCheck] = field(default_factory=list)
     non_finite_modules: list[str] = field(default_factory=list)
 

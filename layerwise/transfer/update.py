@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerwise.api import ReloadReport
+from layerwise.api import ReloadReport, model_defers_checks
 from layerwise.errors import (
     DuplicateWeightError,
     LayerwiseError,
@@ -41,9 +41,11 @@ from layerwise.errors import (
 from layerwise.reload.kernel_format import check_kernel_tensor, kernel_targets
 from layerwise.reload.session import (
     abort_layerwise_reload,
+    check_deferred,
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,
+    on_device,
 )
 from layerwise.routing import stream_weights
 from layerwise.transfer.base import WeightTransferEngine, WeightTransferError, WeightTransferUpdateRequest
@@ -89,8 +91,10 @@ class WeightUpdate:
         self._tied_seen: str | None = None  # which of the tied names arrived first
         self._targets: dict[str, torch.Tensor] = {}
         self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if is_checkpoint_format:
-            self.session = initialize_layerwise_reload(model, atomic=atomic)
+        if is_checkpoint_format:  # Limitations 12 on CUDA: one host read per batch, not one per module
+            self.session = initialize_layerwise_reload(
+                model, atomic=atomic, defer_checks=model_defers_checks(model), borrow_device_tensors=False
+            )
         else:
             self._targets = kernel_targets(model)
 
@@ -137,12 +141,15 @@ class WeightUpdate:
         self._check_open()
         batch = list(weights)
         try:
-            if self.is_checkpoint_format:
-                for name, tensor in batch:
-                    self._load_checkpoint_tensor(name, tensor)
-            else:
-                for name, tensor in batch:
-                    self._load_kernel_tensor(name, tensor)
+            with self._on_device():
+                if self.is_checkpoint_format:
+                    for name, tensor in batch:
+                        self._load_checkpoint_tensor(name, tensor)
+                    if self.session.defer_checks:  # waits for the device: the batch may be reused after this
+                        check_deferred(self.session)
+                else:
+                    for name, tensor in batch:
+                        self._load_kernel_tensor(name, tensor)
         except BaseException as e:
             self._fail(e)
             raise
@@ -212,7 +219,8 @@ class WeightUpdate:
         peak = 0
         try:
             if self.is_checkpoint_format:
-                session = finalize_layerwise_reload(self.model)
+                with self._on_device():
+                    session = finalize_layerwise_reload(self.model)
                 self.updated, peak = list(session.processed), session.peak_buffered_bytes
             else:
                 with torch.no_grad():
@@ -238,7 +246,8 @@ class WeightUpdate:
         if self.closed:
             return []
         if self.is_checkpoint_format:
-            self.updated = abort_layerwise_reload(self.model)
+            with self._on_device():
+                self.updated = abort_layerwise_reload(self.model)
         self._staged = {}
         self._close()
         # exact in both modes: an atomic update lists only what its commit wrote before it failed
@@ -250,15 +259,25 @@ class WeightUpdate:
         updated = self.abort()
         if already_closed or not isinstance(e, Exception):
             return  # an error raised by an inner call that failed already, or KeyboardInterrupt & co
+        non_finite = list(self.session.non_finite_modules) if self.session is not None else []
         if isinstance(e, WeightTransferError):
             note = f"modules already updated: {updated}" if updated else "no module was changed"
-            err = type(e)(f"{e.message}; {note}", updated_modules=updated, key=e.key, file=e.file)
+            if non_finite:
+                note += f"; written with NaN or Inf: {non_finite}"
+            err = type(e)(
+                f"{e.message}; {note}", updated_modules=updated, key=e.key, file=e.file, non_finite_modules=non_finite
+            )
             err.cause = e.cause
             raise err from e
         if isinstance(e, ReloadError):
             return
-        # a LayerwiseError, or any other exception of the trainer's stream or of torch: name what was overwritten
-        raise ReloadError.wrap(e, updated, action="weight update") from e
+        # a LayerwiseError (a NaN found at the end of a batch, Limitations 12, among them), or any other exception
+        # of the trainer's stream or of torch: name what was overwritten, and what holds NaN or Inf
+        raise ReloadError.wrap(e, updated, action="weight update", non_finite_modules=non_finite) from e
+
+    def _on_device(self):
+        """The session's CUDA device made current (Triton launches on the current device); nothing otherwise."""
+        return on_device(self.session.device) if self.session is not None else contextlib.nullcontext()
 
     def _check_open(self) -> None:
         if self.closed:
