@@ -68,8 +68,9 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    overwritten before its finiteness check: one that then fails the check is reported as updated
    (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the
    all-or-nothing behaviour.
-12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple on CUDA, without tensor
-   parallelism: ``api._defers_checks``) makes no host read of its own while it streams dense modules
+12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple, and a checkpoint-format weight
+   update, on CUDA without tensor parallelism: ``api.model_defers_checks``) makes no host read of its own
+   while it streams dense modules
    (BF16, FP8, and torchao weights of a shape already checked against torchao's bytes), so the GPU is
    not left idle while Python routes the next module: its NaN/Inf checks (``check_finite``, the FP8
    scale's amax) append a device flag instead of raising (``layerwise.kernels.finite``), its copies of
@@ -83,7 +84,13 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    changes nothing (the flags are read before the commit). Another error that ends the stream first is
    raised as before, with the NaN modules already written in ``ReloadError.non_finite_modules``. The
    stream's tensors must stay unchanged until the call returns: finalize and abort wait for the device
-   before returning. Unit-wise modules (9) keep checking as they go.
+   before returning. A weight update differs in three ways: it reads its checks at the end of each
+   ``load_weights`` batch (``check_deferred``), while the batch is still valid, and raises a NaN there,
+   naming its key (the NaN module and the rest of the batch written first; staged and dropped when atomic);
+   every ``load_weights`` call on CUDA waits for the device before it returns, so the transport may refill,
+   and a trainer reuse, the batch's memory; and it still copies a device tensor it buffers across batches to
+   the host (``borrow_device_tensors=False``), a copy that waits for the device. Unit-wise modules (9) keep
+   checking as they go.
 """
 
 from layerwise.reload.session import (

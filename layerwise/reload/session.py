@@ -533,11 +533,12 @@ def _failed_deferred(session: ReloadSession) -> list[DeferredCheck]:
     return [c for c, bad in zip(checks, flags, strict=True) if bad]
 
 
-def _non_finite_message(failed: list[DeferredCheck], where: str = "the stream") -> str:
-    written = "these modules were" if len(failed) > 1 else "the module was"
+def _non_finite_message(failed: list[DeferredCheck], atomic: bool, where: str = "the stream") -> str:
+    subject = "these modules were" if len(failed) > 1 else "the module was"
+    effect = "staged, not written (atomic)" if atomic else "written with it"
     return (
         f"non-finite value (NaN or Inf) in a weight of {', '.join(c.prefix for c in failed)}, found at the end of "
-        f"{where}: {written} written with it"
+        f"{where}: {subject} {effect}"
     )
 
 
@@ -546,13 +547,15 @@ def check_deferred(session: ReloadSession) -> None:
     end of each batch, while the batch's tensors are still valid (the transport refills them next).
 
     Raises:
-        NonFiniteWeightError: a module processed since the last read held NaN or Inf; it was written (staged,
-            if atomic) like the others, and is added to ``session.non_finite_modules``. Names the key.
+        NonFiniteWeightError: a module processed since the last read held NaN or Inf; it was written like the
+            others and is added to ``session.non_finite_modules`` (atomic: staged, and not added). Names the key.
     """
     failed = _failed_deferred(session)
     if failed:
-        session.non_finite_modules.extend(c.prefix for c in failed)
-        raise NonFiniteWeightError(_non_finite_message(failed, "the batch"), key=_find_non_finite_key(failed[0].loads))
+        if not session.atomic:  # staged modules are dropped by the abort that follows: nothing holds the NaN
+            session.non_finite_modules.extend(c.prefix for c in failed)
+        message = _non_finite_message(failed, session.atomic, "the batch")
+        raise NonFiniteWeightError(message, key=_find_non_finite_key(failed[0].loads))
 
 
 def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None) -> None:
@@ -832,11 +835,13 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         raise RuntimeError("no layerwise load/reload in progress on this model")
     failed = _failed_deferred(session)  # Limitations 12: what the device found, before anything else
     if failed:
-        error = NonFiniteWeightError(_non_finite_message(failed), key=_find_non_finite_key(failed[0].loads))
+        message = _non_finite_message(failed, session.atomic)
+        error = NonFiniteWeightError(message, key=_find_non_finite_key(failed[0].loads))
         updated = abort_layerwise_reload(model)
         if session.first_load:
             raise error
-        raise _NonFiniteOnReload.wrap(error, updated, non_finite_modules=[c.prefix for c in failed]) from error
+        written = [] if session.atomic else [c.prefix for c in failed]  # atomic: nothing was written
+        raise _NonFiniteOnReload.wrap(error, updated, non_finite_modules=written) from error
     for module in session.modules.values():  # a partial reload's units still queued (Limitations 9)
         info = get_layerwise_info(module)
         if info.pending_units:

@@ -162,8 +162,9 @@ class ReloadSession:
             copy (with ``defer_checks`` on a stream the caller holds until the session ends: a reload of a
             list; not a weight update, whose transport refills its buffers).
         deferred: the checks of the modules processed so far, with ``defer_checks``.
-        non_finite_modules: after an abort with ``defer_checks``, the modules written with NaN or Inf before
-            the error that ended the session (their checks were not read yet).
+        non_finite_modules: with ``defer_checks``, the modules written with NaN or Inf: found by
+            ``check_deferred`` (a weight update's batch), or by the abort after another error ended the
+            session (their checks were not read yet). Never staged modules of an atomic session.
     """
 
     device: torch.device

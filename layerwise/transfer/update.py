@@ -87,6 +87,7 @@ class WeightUpdate:
         self.updated: list[str] = []
         self.closed = False
         self.session = None
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         self._tied_seen: str | None = None  # which of the tied names arrived first
         self._targets: dict[str, torch.Tensor] = {}
@@ -150,6 +151,8 @@ class WeightUpdate:
                 else:
                     for name, tensor in batch:
                         self._load_kernel_tensor(name, tensor)
+                if self.device.type == "cuda":  # queued copies may still read the batch; the caller may reuse
+                    torch.cuda.current_stream(self.device).synchronize()  # it (a trainer's IPC tensors) after this
         except BaseException as e:
             self._fail(e)
             raise
@@ -235,8 +238,8 @@ class WeightUpdate:
             self._fail(e)
             raise
         self._close()
-        if any(t.device.type == "cuda" for t in self.model.parameters()):
-            torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the model's device, whichever is current
         return ReloadReport(self.updated, time.perf_counter() - self.start, peak)
 
     def abort(self) -> list[str]:
@@ -304,9 +307,10 @@ def start_weight_update(
             reload path); False: the model's own kernel-format names and dtypes, copied after checks.
         atomic: keep the old values until :func:`finish_weight_update` (costs, on the model's device, the
             kernel-format bytes of every module in the update); without it each module is overwritten
-            as soon as it is complete and checked. On a CPU model, a checkpoint-format update, like a
-            reload, keeps its staging buffer (the largest module in the checkpoint dtype) on the model for
-            the next one (``layerwise.reload.release_staging`` frees it).
+            as soon as it is complete (and checked; on CUDA without tensor parallelism the checks of a batch
+            are read at its end, so a module holding NaN is written first: Limitations 12). On a CPU model,
+            a checkpoint-format update, like a reload, keeps its staging buffer (the largest module in the
+            checkpoint dtype) on the model for the next one (``layerwise.reload.release_staging`` frees it).
         max_buffered_bytes: fail (instead of running out of host memory) when tensors waiting for the rest
             of their module exceed this many bytes; None = no limit.
     Returns:

@@ -4,8 +4,8 @@ one wait for the device and one read of the flags at the end of each batch, whil
 On CUDA without tensor parallelism every update does; the session logic is the same on every device, so it is
 forced here on the CPU (``update.model_defers_checks``) with the native extension off, as in
 tests/test_reload_deferred.py. The loopback engines deliver the trainer's tensors through one reused bucket
-that they overwrite after every ``load_weights`` call: with 0xFF bytes (NaN in bf16), or with zeros (finite:
-a NaN found after the refill would be missed or blamed on the wrong key).
+that they overwrite after every ``load_weights`` call, here with zeros (finite: a NaN looked for after the
+refill would be missed or blamed on the wrong key; the CUDA test refills a pinned bucket with NaN bytes).
 """
 
 import gc
@@ -30,16 +30,18 @@ NAN_MODULE = "model.layers.0.mlp.gate_up_proj"
 
 
 class ZeroRefillEngine(LoopbackEngine):
-    """LoopbackEngine that refills its bucket with zeros after each batch, keeps a weak reference to the bucket,
-    and can fail in transport before bucket ``fail_at``."""
+    """LoopbackEngine that overwrites its bucket with ``fill`` bytes (zeros: finite) after each batch from the
+    host, keeps a weak reference to the bucket, and can fail in transport before bucket ``fail_at``. ``pin``:
+    the bucket in pinned memory, so the update's copies from it do not wait (on CUDA)."""
 
-    def __init__(self, source, capacity=4096, fail_at=None):
+    def __init__(self, source, capacity=4096, fail_at=None, fill=0, pin=False):
         super().__init__(source, capacity)
-        self.fail_at, self.bucket_ref, self.batches = fail_at, None, 0
+        self.fail_at, self.fill, self.pin, self.bucket_ref, self.batches = fail_at, fill, pin, None, 0
 
     def receive_weights(self, update_info, load_weights):
         tensors = [t for _, t in self.source]
-        buffer = torch.empty(max(self.capacity, *(t.numel() * t.element_size() for t in tensors)), dtype=torch.uint8)
+        nbytes = max(self.capacity, *(t.numel() * t.element_size() for t in tensors))
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         self.bucket_ref = weakref.ref(buffer.untyped_storage())
         for k, bucket in enumerate(plan_buckets([t.numel() * t.element_size() for t in tensors], self.capacity)):
             if k == self.fail_at:
@@ -48,7 +50,7 @@ class ZeroRefillEngine(LoopbackEngine):
                 buffer[off : off + n].copy_(flat_bytes(tensors[i]))
             load_weights(unpack_bucket(buffer, bucket, update_info.names, update_info.dtypes, update_info.shapes))
             self.batches += 1
-            buffer.zero_()
+            buffer.fill_(self.fill)
 
 
 @pytest.fixture
@@ -117,22 +119,24 @@ def test_a_nan_is_raised_at_the_end_of_its_batch_naming_its_key(ckpts, deferred,
     with pytest.raises(ReloadError) as e:
         receive_weight_update(model, engine, request(tensors).update_info)
     assert e.value.key == NAN_KEY and NAN_MODULE in str(e.value)
-    assert e.value.non_finite_modules == [NAN_MODULE]
-    if atomic:  # staged modules are dropped: nothing changed
-        assert e.value.updated_modules == [] and model_digest(model) == before
+    if atomic:  # staged modules are dropped: nothing changed, nothing holds the NaN
+        assert e.value.updated_modules == e.value.non_finite_modules == [] and model_digest(model) == before
+        assert "staged, not written" in str(e.value)
     else:  # the NaN module and the rest of its batch were written
-        assert NAN_MODULE in e.value.updated_modules
+        assert e.value.non_finite_modules == [NAN_MODULE] and NAN_MODULE in e.value.updated_modules
     assert update_module.current_weight_update(model) is None
 
 
-def test_a_transport_error_keeps_the_updated_and_non_finite_lists(ckpts, deferred):
+def test_a_nan_written_before_another_error_in_its_batch_is_reported(ckpts, deferred):
+    # the unknown name ends the batch before its checks are read: the abort reads them and lists the NaN module
     model = layerwise.load_model(ckpts["a"], quantization="fp8-per-tensor")
-    tensors = checkpoint_tensors(ckpts["b"])
+    tensors = _with_nan(checkpoint_tensors(ckpts["b"]), NAN_KEY)
+    tensors.append(("model.layers.0.mlp.no_such_proj.weight", torch.zeros(4, dtype=torch.bfloat16)))
     start_weight_update(model, is_checkpoint_format=True)
-    with pytest.raises(WeightTransferError) as e:
-        receive_weight_update(model, ZeroRefillEngine(tensors, capacity=2048, fail_at=2), request(tensors).update_info)
-    assert e.value.updated_modules and "modules already updated" in str(e.value)
-    assert e.value.non_finite_modules == []
+    with pytest.raises(ReloadError) as e:  # one bucket: the NaN module and the unknown name in the same batch
+        receive_weight_update(model, ZeroRefillEngine(tensors, capacity=1 << 20), request(tensors).update_info)
+    assert e.value.key == "model.layers.0.mlp.no_such_proj.weight"
+    assert e.value.non_finite_modules == [NAN_MODULE] and NAN_MODULE in e.value.updated_modules
 
 
 @pytest.mark.gpu
@@ -143,7 +147,10 @@ def test_a_cuda_update_defers_and_equals_a_fresh_load(ckpts):
     tensors = checkpoint_tensors(ckpts["b"])[::-1]
     update = start_weight_update(model, is_checkpoint_format=True)
     assert update.session.defer_checks  # on CUDA without tensor parallelism, not forced
-    receive_weight_update(model, ZeroRefillEngine(tensors, capacity=2048), request(tensors).update_info)
+    # a pinned bucket the host overwrites with NaN bytes as soon as load_weights returns: a copy still queued
+    # then would read them (the update's copies from pinned memory do not wait)
+    engine = ZeroRefillEngine(tensors, capacity=2048, fill=0xFF, pin=True)
+    receive_weight_update(model, engine, request(tensors).update_info)
     finish_weight_update(model)
     assert_same_tensors(model, expected)
     nan = _with_nan(checkpoint_tensors(ckpts["b"]), NAN_KEY)
