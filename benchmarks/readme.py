@@ -120,18 +120,13 @@ def decode_table(result: dict) -> str:
         lines[1] += "---|"
     for r in result["results"]:
         scheme, _, mode = r["config"].partition("/")
+        ms = r.get("profile", {}).get("ms_per_step")
+        split = " / ".join(f"{ms[c]:.2f}" for c in ("gemm", "act_quant", "attention", "other")) if ms else ""
+        column = (f" {split} |" if split else " |") if profiled else ""
         if "error" in r:
-            lines.append(
-                f"| {scheme} | {mode or 'auto'} | did not run: {r['error'][:80]} | |" + (" |" if profiled else "")
-            )
-            continue
-        line = f"| {scheme} | {mode or 'auto'} | {r['ms']:.2f} | {_f(r.get('over_bf16'))} |"
-        if profiled:
-            ms = r.get("profile", {}).get("ms_per_step")
-            line += (
-                f" {' / '.join(f'{ms[c]:.2f}' for c in ('gemm', 'act_quant', 'attention', 'other'))} |" if ms else " |"
-            )
-        lines.append(line)
+            lines.append(f"| {scheme} | {mode or 'auto'} | did not run: {r['error'][:80]} | |{column}")
+        else:
+            lines.append(f"| {scheme} | {mode or 'auto'} | {r['ms']:.2f} | {_f(r.get('over_bf16'))} |{column}")
     return "\n".join(lines)
 
 

@@ -362,15 +362,15 @@ def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomi
             stream_weights(model, stream, file_of)
     except ReloadError:
         raise  # finalize already restored the model and listed the updated modules
-    except LayerwiseError as e:
-        if e.key and file_of is not None:  # raised at finalize (a queued unit's NaN), past stream_weights' context
+    except Exception as e:  # a LayerwiseError, or an I/O or torch error midway: the session was aborted
+        is_ours = isinstance(e, LayerwiseError)
+        if is_ours and e.key and file_of is not None:  # raised at finalize (a queued unit's NaN), past stream_weights
             e.add_context(file=file_of(e.key))
-        if session is None:
+        if session is None:  # the session never started (another one is open on the model): nothing was touched
+            if not is_ours:
+                raise
             raise ReloadError.wrap(e, []) from e
-        raise ReloadError.wrap(e, session.updated_before_abort, non_finite_modules=session.non_finite_modules) from e
-    except Exception as e:  # an I/O or torch error midway: the session was aborted; name what it overwrote
-        if session is None:
-            raise  # the session never started (another one is open on the model): nothing was touched
+        # name what it overwrote, and what of that holds NaN or Inf (Limitations 12)
         raise ReloadError.wrap(e, session.updated_before_abort, non_finite_modules=session.non_finite_modules) from e
     return ReloadReport(list(session.processed), time.perf_counter() - start, session.peak_buffered_bytes)
 

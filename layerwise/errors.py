@@ -82,9 +82,7 @@ class ReloadError(LayerwiseError):
         written with NaN or Inf); raise it ``from cause``. ``cause`` is a LayerwiseError, or any other Exception
         the stream or torch raised midway (an OSError of a truncated file, a RuntimeError): either way the
         caller learns which modules hold new values."""
-        note = f"modules already updated: {updated_modules}" if updated_modules else "no module was changed"
-        if non_finite_modules:
-            note += f"; written with NaN or Inf: {list(non_finite_modules)}"
+        note = cls.note(updated_modules, non_finite_modules)
         if isinstance(cause, LayerwiseError):
             message, key, file = cause.message, cause.key, cause.file
         else:
@@ -98,6 +96,14 @@ class ReloadError(LayerwiseError):
         )
         err.cause = cause
         return err
+
+    @staticmethod
+    def note(updated_modules: list, non_finite_modules: list = ()) -> str:
+        """What an aborted reload or update left: the modules it overwrote, and those written with NaN or Inf."""
+        note = f"modules already updated: {updated_modules}" if updated_modules else "no module was changed"
+        if non_finite_modules:
+            note += f"; written with NaN or Inf: {list(non_finite_modules)}"
+        return note
 
 
 class WeightTransferError(ReloadError):

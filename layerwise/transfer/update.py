@@ -146,13 +146,15 @@ class WeightUpdate:
                 if self.is_checkpoint_format:
                     for name, tensor in batch:
                         self._load_checkpoint_tensor(name, tensor)
-                    if self.session.defer_checks:  # waits for the device: the batch may be reused after this
-                        check_deferred(self.session)
                 else:
                     for name, tensor in batch:
                         self._load_kernel_tensor(name, tensor)
-                if self.device.type == "cuda":  # queued copies may still read the batch; the caller may reuse
-                    torch.cuda.current_stream(self.device).synchronize()  # it (a trainer's IPC tensors) after this
+                # queued copies may still read the batch, which the caller may reuse (a trainer's IPC tensors) or
+                # the transport refill once this returns: wait for the device (and read the deferred checks)
+                if self.session is not None and self.session.defer_checks:
+                    check_deferred(self.session)
+                elif self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
         except BaseException as e:
             self._fail(e)
             raise
@@ -264,9 +266,7 @@ class WeightUpdate:
             return  # an error raised by an inner call that failed already, or KeyboardInterrupt & co
         non_finite = list(self.session.non_finite_modules) if self.session is not None else []
         if isinstance(e, WeightTransferError):
-            note = f"modules already updated: {updated}" if updated else "no module was changed"
-            if non_finite:
-                note += f"; written with NaN or Inf: {non_finite}"
+            note = ReloadError.note(updated, non_finite)
             err = type(e)(
                 f"{e.message}; {note}", updated_modules=updated, key=e.key, file=e.file, non_finite_modules=non_finite
             )
@@ -279,8 +279,8 @@ class WeightUpdate:
         raise ReloadError.wrap(e, updated, action="weight update", non_finite_modules=non_finite) from e
 
     def _on_device(self):
-        """The session's CUDA device made current (Triton launches on the current device); nothing otherwise."""
-        return on_device(self.session.device) if self.session is not None else contextlib.nullcontext()
+        """The model's CUDA device made current (Triton launches on the current device); nothing otherwise."""
+        return on_device(self.device)
 
     def _check_open(self) -> None:
         if self.closed:
