@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import sys
 import time
 
@@ -56,9 +57,9 @@ def projections(spec: dict) -> dict[str, tuple[int, int]]:
 
 
 def candidates(kind: str, m: int, device: torch.device, quick: bool = False) -> list[GemmTiles]:
-    """The configurations tried for ``kind`` at ``m`` rows: BLOCK_M the next power of two of M (16 to 64);
-    column tiles 16-128, K steps 128-512 (128 for the block kinds), 1-8 splits, 3-4 stages, 4 or 8 warps
-    (--quick: a subset). CPU (interpreter): the interpreter's tile, unsplit and split in two."""
+    """The configurations tried for ``kind`` at ``m`` rows, in a fixed shuffled order: BLOCK_M the next power
+    of two of M (16 to 64); column tiles 16-128, K steps 128-512 (128 for the block kinds), 1-8 splits, 3-4
+    stages, 4 or 8 warps (--quick: a subset). CPU (interpreter): the interpreter's tile, unsplit and split in two."""
     if device.type == "cpu":
         return [TILES_INTERPRET, TILES_INTERPRET._replace(split_k=2)]
     block_m = min(64, max(16, 1 << (m - 1).bit_length()))
@@ -71,6 +72,9 @@ def candidates(kind: str, m: int, device: torch.device, quick: bool = False) -> 
         for n, k, s, st, w in itertools.product(block_ns, block_ks, splits, stages, warps)
         if not (k == 512 and n > 32)  # a 64+ x 512 FP8 tile per stage outgrows registers once decoded
     ]
+    # dealt in a shuffled order, the same in every run: a search cut short by --budget has sampled the whole
+    # space rather than its first corner (the narrowest column tiles)
+    random.Random(f"{kind},{m},{quick}").shuffle(out)
     return out
 
 
@@ -198,64 +202,94 @@ def tune(
 ) -> dict:
     """Time every candidate of each kind on each projection and M; returns the result main writes as JSON.
 
-    ``budget``: seconds after which only the default tiles are timed (a compile takes ~1 s per configuration
-    and M specialization, so a full run at several M can outlast a device session).
+    The work runs in slices, one per M and kind; within a slice each candidate is compiled once and timed on
+    every projection (the shapes share the compiled kernel: their sizes are all multiples of 16). ``budget``:
+    seconds for the whole run, dealt equally to the slices (time a slice leaves unused passes to the next);
+    past its share a slice times only the default tiles. So a run cut short has searched the same candidates
+    for every projection, a uniform sample of the space (:func:`candidates` deals them in a shuffled order),
+    instead of all of them for the first projections and none for the last (a compile takes about a second per
+    configuration and M specialization: a full run at several M can outlast a device session).
     """
     device = torch.device(device)
-    deadline = None if budget is None else time.monotonic() + budget
+    start = time.monotonic()
     spec = checkpoint_shape(size)
     if device.type == "cuda" and not fp8_native(device):
         kinds = tuple(k for k in kinds if not k.startswith("w8a8"))  # FP8 tensor cores only
-    best, references, errors, skipped = [], [], [], 0
-    for (name, (n, k)), m in itertools.product(projections(spec).items(), ms):
-        ops = _operands(n, k, m, device, seed=n + k + m)
-        refs = _references(ops, device)
-        references.append({"shape": name, "n": n, "k": k, "m": m, "us": refs})
-        bf16_us = refs["bf16 F.linear"] if isinstance(refs["bf16 F.linear"], float) else None
+    shapes = projections(spec)
+    best, references, errors, skipped, done = [], [], [], 0, 0
+    for m in ms:
+        ops = {name: _operands(n, k, m, device, seed=n + k + m) for name, (n, k) in shapes.items()}
+        refs = {name: _references(ops[name], device) for name in shapes}
+        references += [{"shape": name, "n": n, "k": k, "m": m, "us": refs[name]} for name, (n, k) in shapes.items()]
         for kind in kinds:
-            call, expected = _gemm(kind, ops)
-            # kind "w8a8" serves per-tensor weights too (scale strides 0): checked in that layout as well
-            checks = [(call, expected)] + ([_gemm(kind, ops, "tensor")] if kind == "w8a8" else [])
-            copies = len(ops["block" if "block" in kind else "channel"])
-            default = launch_tiles(kind, m, n, k, device)
-            timed = []
-            for tiles in dict.fromkeys([default, *candidates(kind, m, device, quick)]):
-                if deadline is not None and time.monotonic() > deadline and tiles != default:
-                    skipped += 1
-                    continue
-                try:
-                    for checked, reference_output in checks:
-                        check(checked, reference_output, tiles)
-                    timed_call = cycling(lambda i, c=call, t=tiles: c(t, i), copies)
-                    timed.append((1e6 * graph_seconds(timed_call, device), tiles))
-                except Exception as e:  # recorded, never chosen
-                    errors.append({"kind": kind, "shape": name, "m": m, "tiles": list(tiles), "error": _error(e)})
-            timed.sort()
-            if not timed:
-                continue  # every candidate failed: the errors say why
-            default_us = next((us for us, t in timed if t == default), None)
-            us, tiles = timed[0]
-            best.append({
-                "kind": kind, "shape": name, "n": n, "k": k, "m": m, "tiles": list(tiles), "us": us,
-                "weight_gbps": n * k / us / 1e3, "default_tiles": list(default), "default_us": default_us,
-                "over_bf16": us / bf16_us if bf16_us else None,
-                "default_over_bf16": default_us / bf16_us if bf16_us and default_us else None,
-                "top": [{"tiles": list(t), "us": u} for u, t in timed[:TOP]],
-            })  # fmt: skip
-            default_text = f"{default_us:.1f} us" if default_us else "failed"
-            print(f"  {name} [{n}, {k}] M={m} {kind}: best {us:.1f} us {tuple(tiles)}, default {default_text}",
+            done += 1
+            deadline = None if budget is None else start + budget * done / (len(ms) * len(kinds))
+            timed, defaults, slice_skipped = _tune_slice(kind, m, shapes, ops, device, quick, deadline, errors)
+            skipped += slice_skipped
+            for name, (n, k) in shapes.items():
+                rows = sorted(timed[name])
+                if not rows:
+                    continue  # every candidate failed: the errors say why
+                default_us = next((us for us, t in rows if t == defaults[name]), None)
+                us, tiles = rows[0]
+                bf16_us = refs[name]["bf16 F.linear"] if isinstance(refs[name]["bf16 F.linear"], float) else None
+                best.append({
+                    "kind": kind, "shape": name, "n": n, "k": k, "m": m, "tiles": list(tiles), "us": us,
+                    "weight_gbps": n * k / us / 1e3, "default_tiles": list(defaults[name]), "default_us": default_us,
+                    "over_bf16": us / bf16_us if bf16_us else None,
+                    "default_over_bf16": default_us / bf16_us if bf16_us and default_us else None,
+                    "top": [{"tiles": list(t), "us": u} for u, t in rows[:TOP]],
+                })  # fmt: skip
+                default_text = f"{default_us:.1f} us" if default_us else "failed"
+                print(f"  {name} [{n}, {k}] M={m} {kind}: best {us:.1f} us {tuple(tiles)}, default {default_text}",
+                      file=sys.stderr)  # fmt: skip
+            print(f"  M={m} {kind}: {time.monotonic() - start:.0f} s, {slice_skipped} timings skipped over budget",
                   file=sys.stderr)  # fmt: skip
     return {
         "benchmark": "gemm_tune",
         **provenance(device, size, spec),
         "m": list(ms),
         "quick": quick,
-        "projections": {name: list(nk) for name, nk in projections(spec).items()},
+        "budget_seconds": budget,
+        "seconds": time.monotonic() - start,
+        "projections": {name: list(nk) for name, nk in shapes.items()},
         "best": best,
         "references": references,
         "errors": errors,
         "skipped_over_budget": skipped,
     }
+
+
+def _tune_slice(kind, m, shapes, ops, device, quick, deadline, errors) -> tuple[dict, dict, int]:
+    """Check and time each candidate of ``kind`` at ``m`` rows on every projection of ``shapes`` (name -> [N, K]),
+    the defaults first; past ``deadline`` (time.monotonic) only the defaults. Appends failures to ``errors``.
+
+    Returns (name -> [(us, tiles)], name -> default tiles, timings skipped over the deadline).
+    """
+    runs = {}
+    for name in shapes:
+        call, expected = _gemm(kind, ops[name])
+        # kind "w8a8" serves per-tensor weights too (scale strides 0): checked in that layout as well
+        checks = [(call, expected)] + ([_gemm(kind, ops[name], "tensor")] if kind == "w8a8" else [])
+        runs[name] = call, checks, len(ops[name]["block" if "block" in kind else "channel"])
+    defaults = {name: launch_tiles(kind, m, n, k, device) for name, (n, k) in shapes.items()}
+    timed: dict = {name: [] for name in shapes}
+    skipped = 0
+    for tiles in dict.fromkeys([*defaults.values(), *candidates(kind, m, device, quick)]):
+        over = deadline is not None and time.monotonic() > deadline  # per candidate: all shapes or none
+        for name in shapes:
+            if over and tiles != defaults[name]:
+                skipped += 1
+                continue
+            call, checks, copies = runs[name]
+            try:
+                for checked, reference_output in checks:
+                    check(checked, reference_output, tiles)
+                timed_call = cycling(lambda i, c=call, t=tiles: c(t, i), copies)
+                timed[name].append((1e6 * graph_seconds(timed_call, device), tiles))
+            except Exception as e:  # recorded, never chosen
+                errors.append({"kind": kind, "shape": name, "m": m, "tiles": list(tiles), "error": _error(e)})
+    return timed, defaults, skipped
 
 
 SCALED_MM = ("scaled_mm per tensor", "scaled_mm per row")  # what "w8a8" replaces where it is faster

@@ -107,6 +107,38 @@ def test_the_tuner_times_only_the_defaults_past_its_budget():
     assert all(row["tiles"] == row["default_tiles"] and len(row["top"]) == 1 for row in result["best"])
 
 
+def test_the_budget_is_dealt_to_the_slices_and_cuts_a_candidate_on_every_shape(monkeypatch):
+    # a fake clock that advances one second per timing: each slice (M, kind) gets budget / slices, and a
+    # candidate past its slice's share is skipped on every projection, so all projections searched the same
+    clock = [0.0]
+
+    def one_second_per_timing(fn, device):
+        fn()
+        clock[0] += 1.0
+        return 1e-6
+
+    monkeypatch.setattr(gemm_tune, "graph_seconds", one_second_per_timing)
+    monkeypatch.setattr(gemm_tune.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(gemm_tune, "_references", lambda ops, device: {"bf16 F.linear": 1.0})  # not timed here
+    splits = [TILES_INTERPRET._replace(split_k=s) for s in (2, 3, 4)]
+    monkeypatch.setattr(gemm_tune, "candidates", lambda kind, m, device, quick=False: splits)
+    result = gemm_tune.tune("small", "cpu", ms=(8,), kinds=("w8a16", "w8a16-block"), budget=16)
+    # slice 1 (deadline 8): the default on the 4 shapes (clock 4), split 2 (8), split 3 (12), split 4 past 8;
+    # slice 2 (deadline 16): the default (16), split 2 (20), splits 3 and 4 past 16. One budget for both slices
+    # would let slice 1 time split 4 too and leave slice 2 its defaults only
+    timings = {(row["kind"], row["shape"]): len(row["top"]) for row in result["best"]}
+    assert timings == {**{("w8a16", s): 3 for s in SMALL}, **{("w8a16-block", s): 2 for s in SMALL}}
+    assert result["skipped_over_budget"] == 3 * len(SMALL) and result["budget_seconds"] == 16
+
+
+def test_candidates_come_in_a_fixed_order_that_samples_the_whole_space():
+    first = gemm_tune.candidates("w8a16", 8, CUDA)
+    assert first == gemm_tune.candidates("w8a16", 8, CUDA) and len(set(first)) == len(first) == 160
+    quarter = first[: len(first) // 4]  # what a budget cut after a quarter has tried
+    assert {t.block_n for t in quarter} == {t.block_n for t in first} == {16, 32, 64, 128}
+    assert {t.split_k for t in quarter} == {1, 2, 4, 8} and {t.block_k for t in quarter} == {128, 256, 512}
+
+
 def test_w8a8_is_stored_only_where_it_beat_scaled_mm():
     def result(w8a8_us, refs):
         rows = [{"kind": kind, "shape": "o_proj", "n": 64, "k": 256, "m": 8, "tiles": [16, 64, 128, 2, 4, 3],
