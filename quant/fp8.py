@@ -42,6 +42,7 @@ dimension (checked at construction).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -69,11 +70,27 @@ FP8_MODES = ("auto", "w8a8", "w8a16")
 SCALE_NAMES = {"tensor": "weight_scale", "channel": "weight_scale", "block": "weight_scale_inv"}
 
 
-def scaled_mm_supported(device: torch.device) -> bool:
-    """Whether ``torch._scaled_mm`` runs on ``device`` (CPU in torch >= 2.13; CUDA on sm89+)."""
+def scaled_mm_supported(device: torch.device, granularity: str = "tensor") -> bool:
+    """Whether ``torch._scaled_mm`` runs on ``device`` with the weight scales of ``granularity`` ("tensor" or
+    "channel", the latter with per-token activation scales): CUDA sm89+; on CPU per tensor wherever torch has
+    ``_scaled_mm``, row-wise where :func:`cpu_rowwise_scaled_mm` finds it (torch 2.13 yes, 2.11 no)."""
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu" and hasattr(torch, "_scaled_mm")
+    if device.type != "cpu" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return granularity != "channel" or cpu_rowwise_scaled_mm()
+
+
+@functools.cache
+def cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales ([M, 1] and [1, N]): tried once on a 16 x 16
+    product. torch 2.11 fails an internal assertion there ("only supports per-tensor scaling for CPU backend")."""
+    a = torch.ones(16, 16).to(FP8_DTYPE)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def scaled_mm_preferred(device: torch.device) -> bool:
@@ -238,9 +255,10 @@ class Fp8LinearMethod(QuantMethod):
         aligned = weight.device.type != "cuda" or (in_features % 16 == 0 and out_features % 16 == 0)
         if self.mode == "auto" and not (scaled_mm_preferred(weight.device) and aligned):
             return False
-        if not (scaled_mm_supported(weight.device) and aligned):
+        if not (scaled_mm_supported(weight.device, self.granularity) and aligned):
             raise RuntimeError(
-                f"w8a8 requested but torch._scaled_mm cannot run shape {tuple(weight.shape)} on {weight.device}"
+                f"w8a8 requested but torch._scaled_mm (torch {torch.__version__}) cannot run per-{self.granularity} "
+                f"scales of shape {tuple(weight.shape)} on {weight.device}; use fp8_mode='auto' or 'w8a16'"
             )
         if dtype not in scaled_mm_out_dtypes(self.granularity, weight.device):
             _warn_once(

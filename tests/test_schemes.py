@@ -181,6 +181,21 @@ def test_unknown_torchao_config_is_a_clear_error(hf_checkpoint):
         layerwise.load_model(hf_checkpoint[1], quantization="torchao:NoSuchConfig")
 
 
+def test_w8a8_where_cpu_scaled_mm_lacks_row_wise_scales_names_the_fix(qwen3_8_layers, monkeypatch):
+    # torch 2.11's CPU _scaled_mm takes per-tensor scales only (an internal assertion otherwise): per-channel W8A8
+    # must say so and what to use instead, while per-tensor W8A8 still runs
+    import layerwise.quant.fp8 as quant_fp8
+
+    monkeypatch.setattr(quant_fp8, "cpu_rowwise_scaled_mm", lambda: False)
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
+    model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", fp8_mode="w8a8")
+    with pytest.raises(RuntimeError, match=r"cannot run per-channel scales .* use fp8_mode='auto' or 'w8a16'"):
+        model(ids)
+    model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-tensor", fp8_mode="w8a8")
+    with torch.no_grad():
+        assert torch.isfinite(model(ids)).all()
+
+
 def test_w8a8_with_an_activation_dtype_scaled_mm_refuses_falls_back_with_one_warning(
     qwen3_8_layers, caplog, monkeypatch
 ):
@@ -188,6 +203,8 @@ def test_w8a8_with_an_activation_dtype_scaled_mm_refuses_falls_back_with_one_war
 
     import layerwise.quant.fp8 as quant_fp8
 
+    if not quant_fp8.cpu_rowwise_scaled_mm():
+        pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only")
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
     w8a16 = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16, fp8_mode="w8a16")
     model = layerwise.load_model(qwen3_8_layers, quantization="fp8-per-channel", dtype=torch.float16, fp8_mode="w8a8")
