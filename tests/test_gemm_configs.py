@@ -131,6 +131,28 @@ def test_the_budget_is_dealt_to_the_slices_and_cuts_a_candidate_on_every_shape(m
     assert result["skipped_over_budget"] == 3 * len(SMALL) and result["budget_seconds"] == 16
 
 
+def test_precompile_runs_every_candidate_side_by_side_on_cuda_only():
+    import threading
+
+    barrier, calls = threading.Barrier(2, timeout=30), []
+
+    def call(tiles, i):  # the first two calls meet at the barrier: they run at the same time, or it times out
+        calls.append((tiles, i, threading.get_ident()))
+        if len(calls) <= 2:
+            barrier.wait()
+        if tiles == "broken":
+            raise RuntimeError("does not compile")  # left to the check that follows
+
+    jobs = [(call, t) for t in ("a", "b", "broken", "c")]
+    gemm_tune.precompile(jobs, CUDA, threads=2)
+    assert sorted(t for t, _, _ in calls) == ["a", "b", "broken", "c"] and {i for _, i, _ in calls} == {0}
+    assert len({thread for _, _, thread in calls}) == 2
+    calls.clear()
+    gemm_tune.precompile(jobs, torch.device("cpu"), threads=2)  # the interpreter: one kernel at a time, no compile
+    gemm_tune.precompile(jobs, CUDA, threads=1)
+    assert calls == []
+
+
 def test_candidates_come_in_a_fixed_order_that_samples_the_whole_space():
     first = gemm_tune.candidates("w8a16", 8, CUDA)
     assert first == gemm_tune.candidates("w8a16", 8, CUDA) and len(set(first)) == len(first) == 160
