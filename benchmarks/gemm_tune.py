@@ -1,27 +1,28 @@
 """Tune the Triton FP8 GEMMs' launch configurations on this GPU, against cuBLAS BF16 and torch._scaled_mm.
 
-For each projection of the --size model (qkv_proj, o_proj, gate_up_proj and down_proj as [N, K]) and each
-M of --m (decode batch sizes), every candidate ``GemmTiles`` of each GEMM kind is timed (``kernels.gemm_configs``):
-"w8a16" (per-channel weight scales; per tensor runs the same loop), "w8a16-block", "w8a8-block" and "w8a8"
-(per-channel weights and per-token activations, checked per tensor too: the Triton alternative to
-``torch._scaled_mm``). Each time is a CUDA graph's replay of 20 calls divided by 20, as the decode step replays
-them (no launch overhead), the calls cycling through copies of the weight that together exceed twice the L2
-cache (each call streams its weight from memory, as in a decode step). A candidate is checked first, its
-outputs and partials filled with NaN beforehand, against the float32 product of the dequantized operands
-(within 2% of its largest magnitude); one that fails or does not compile is recorded with its error and never
-chosen. The references, timed the same way: F.linear in BF16 (cuBLAS), torch._scaled_mm per tensor and per
-row (sm89+; with and without the fused activation quantization), and the activation quantization alone.
+For each projection of the --size model (qkv_proj, o_proj, gate_up_proj and down_proj as [N, K]) and each M of --m
+(decode batch sizes), every candidate ``GemmTiles`` of each GEMM kind is timed (``kernels.gemm_configs``): "w8a16"
+(per-channel weight scales; per tensor runs the same loop), "w8a16-block", "w8a8-block" and "w8a8" (per-channel
+weights and per-token activations, checked per tensor too: the Triton alternative to the activation quantization and
+``torch._scaled_mm``); both W8A8 kinds as the forward calls them, x quantized inside the GEMM
+(``kernels.fp8_gemm.dynamic_w8a8_gemm``). Each time is a CUDA graph's replay of 20 calls divided by 20, as the
+decode step replays them (no launch overhead), the calls cycling through copies of the weight that together exceed
+twice the L2 cache (each call streams its weight from memory, as in a decode step). A candidate is checked first,
+its outputs and partials filled with NaN beforehand, against the float32 product of the dequantized operands (within
+2% of its largest magnitude); one that fails or does not compile is recorded with its error and never chosen. The
+references, timed the same way: F.linear in BF16 (cuBLAS), torch._scaled_mm per tensor and per row (sm89+; with and
+without the fused activation quantization), and the activation quantization alone.
 
     python -m layerwise.benchmarks.gemm_tune --device cuda --size 8b [--m 1,8] [--quick] [--budget S]
         [--compile-threads N] [--write-configs]
 
 Writes DIR/gemm_tune_<device>_<size>.json: per kind, shape and M the best and the default configuration
 (microseconds, GB/s of weight bytes read, ratio to BF16), the five fastest candidates, every error, and the
-references. --write-configs also writes ``kernels/configs/<device>.json`` (the best per kind, shape and M;
-"w8a8" only where it beat both ``_scaled_mm`` references), which the GEMMs launch with from then on
-(``kernels.fp8_gemm.launch_tiles``; a batch takes the entry of the smallest tuned M at or above it), and where
-the W8A8 forward of per-tensor and per-channel weights runs the Triton GEMM instead of ``_scaled_mm``. On CPU
-the kernels run interpreted on two candidates: a check of the code path, not a measurement.
+references. --write-configs also writes ``kernels/configs/<device>.json`` (the best per kind, shape and M; "w8a8"
+only where it beat both ``_scaled_mm`` references, each with its activation quantization), which the GEMMs launch
+with from then on (``kernels.fp8_gemm.launch_tiles``; a batch takes the entry of the smallest tuned M at or above
+it), and where the W8A8 forward of per-tensor and per-channel weights runs the Triton GEMM instead of
+``_scaled_mm``. On CPU the kernels run interpreted on two candidates: a check of the code path, not a measurement.
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ from layerwise.benchmarks.options import add_output_arguments, benchmark_parser,
 from layerwise.benchmarks.timing import graph_seconds
 from layerwise.kernels import fp8_gemm, fp8_quantize_weight, reference
 from layerwise.kernels.fp8_act import quantize_activation
-from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, fp8_native, launch_tiles, w8a8_gemm, w8a16_gemm
+from layerwise.kernels.fp8_gemm import (
+    TILES_INTERPRET,
+    GemmTiles,
+    dynamic_w8a8_gemm,
+    fp8_native,
+    launch_tiles,
+    w8a16_gemm,
+)
 from layerwise.kernels.gemm_configs import KINDS, config_path, write_configs
 
 DEFAULT_M = (1, 8)  # one sequence, and the Engine's default max_batch_size (the captured decode step's M)
@@ -125,7 +133,7 @@ def _gemm(kind: str, ops: dict, layout: str | None = None):
     if layout == "tensor":
         weight_layout, act = "tensor", "tensor"
     weights, (xq, xs) = ops[weight_layout], ops[f"x_{act}"]
-    call = lambda tiles, i: w8a8_gemm(xq, xs, *weights[i % len(weights)], torch.bfloat16, tiles=tiles)
+    call = lambda tiles, i: dynamic_w8a8_gemm(x, act, *weights[i % len(weights)], tiles=tiles)  # as the forward
     x_scale = xs.repeat_interleave(128, dim=1)[:, : xq.shape[1]] if act == "group" else xs
     return call, (xq.float() * x_scale) @ reference.dequantize(*weights[0], torch.float32).t()
 
@@ -176,7 +184,7 @@ def _references(ops: dict, device: torch.device) -> dict[str, float]:
             wt, st = tensor[i]
             return torch._scaled_mm(xt, wt.t(), scale_a=xst, scale_b=st, out_dtype=dtype)
 
-        def per_row(i):
+        def per_row(i, xr=xr, xsr=xsr):
             wc, sc = channel[i]
             return torch._scaled_mm(xr, wc.t(), scale_a=xsr, scale_b=sc.t(), out_dtype=dtype)
 
@@ -184,6 +192,9 @@ def _references(ops: dict, device: torch.device) -> dict[str, float]:
         calls["scaled_mm per row"] = cycling(per_row, len(channel))
         calls["act quant + scaled_mm per tensor"] = cycling(
             lambda i: per_tensor(i, *quantize_activation(x, "tensor")), len(tensor)
+        )
+        calls["act quant + scaled_mm per row"] = cycling(
+            lambda i: per_row(i, *quantize_activation(x, "token")), len(channel)
         )
     for granularity in ("token", "tensor", "group"):
         calls[f"act quant {granularity}"] = lambda g=granularity: quantize_activation(x, g)
@@ -323,14 +334,15 @@ def _tune_slice(kind, m, shapes, ops, device, quick, deadline, errors, threads) 
     return timed, defaults, skipped
 
 
-SCALED_MM = ("scaled_mm per tensor", "scaled_mm per row")  # what "w8a8" replaces where it is faster
+# what "w8a8" (x quantized inside the GEMM) replaces where it is faster: the quantization kernel and _scaled_mm
+SCALED_MM = ("act quant + scaled_mm per tensor", "act quant + scaled_mm per row")
 
 
 def best_configs(result: dict) -> dict:
     """kind -> "N,K" -> {M: tiles fields} of a :func:`tune` result (the layout ``write_configs`` takes).
 
-    Kind "w8a8" is kept only where its best beat both ``torch._scaled_mm`` references (per tensor, per row):
-    elsewhere the forward keeps calling ``_scaled_mm``.
+    Kind "w8a8" is kept only where its best beat both ``torch._scaled_mm`` references (per tensor, per row), each
+    timed with the activation quantization it needs: elsewhere the forward keeps calling ``_scaled_mm``.
     """
     refs = {(r["shape"], r["m"]): r["us"] for r in result["references"]}
     out: dict = {}
@@ -344,12 +356,13 @@ def best_configs(result: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    """Plain-text table: per shape and M, BF16 and _scaled_mm against each kind's best and default (us)."""
+    """Plain-text table: per shape and M, BF16 and (per-tensor activation quantization + _scaled_mm) against each
+    kind's best and default (us)."""
     refs = {(r["shape"], r["m"]): r["us"] for r in result["references"]}
-    lines = [f"{'shape':<14}{'M':>4}{'kind':>13}{'best us':>10}{'default':>10}{'bf16':>9}{'scaled_mm':>11}  tiles"]
+    lines = [f"{'shape':<14}{'M':>4}{'kind':>13}{'best us':>10}{'default':>10}{'bf16':>9}{'q+smm':>11}  tiles"]
     for row in result["best"]:
         ref = refs[(row["shape"], row["m"])]
-        scaled = ref.get("scaled_mm per tensor")
+        scaled = ref.get(SCALED_MM[0])  # the activation quantization and _scaled_mm, per tensor
 
         def num(v):
             return f"{v:.1f}" if isinstance(v, float) else "-"

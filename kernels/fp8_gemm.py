@@ -16,6 +16,9 @@ FP8 weight bytes and their float32 scales inside the K loop:
   the accumulator: acc += dot(xq, wq^T) * xs[:, k] * ws[n // 128, k]. Per-channel / per-tensor weights
   with per-token / per-tensor x: acc * xs[:, None] * ws[None, :] once at the end (``torch._scaled_mm``'s
   arithmetic; ``quant.fp8`` launches this instead only where a tuned configuration beat it).
+* :func:`dynamic_w8a8_gemm`: the same GEMM of bf16/fp16 x, quantized as ``kernels.fp8_act`` quantizes it but
+  inside the GEMM for decode batches (each program quantizes the x tiles it reads; per token / per tensor
+  after an amax pass over K): one launch per linear instead of two or three, the same bytes and output.
 
 Tiling (``launch_tiles``): a configuration tuned on this GPU for the shape and M where
 ``kernels.gemm_configs`` stores one (``python -m layerwise.benchmarks.gemm_tune``), else the
@@ -43,17 +46,19 @@ from typing import NamedTuple
 
 import torch
 
-from layerwise.kernels.fp8_act import GROUP_SIZE
+from layerwise.kernels.fp8_act import GROUP_SIZE, quantize_activation, quantize_bits, scale_of
 from layerwise.kernels.fp8_tiles import SCALE_MODES
 from layerwise.kernels.gemm_configs import tuned_fields
 from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, scale_layout
 from layerwise.kernels.triton_common import (
     HAS_TRITON,
+    abs_nan_to_inf,
     as_kernel_input,
     e4m3_value,
     helper,
     launch,
     load_f32,
+    max_all,
     tl,
     triton,
 )
@@ -88,6 +93,10 @@ W8A8_TILES_CUDA = (
 )
 TILES_INTERPRET = GemmTiles(16, 32, 128, 1, 1, 1)  # the interpreter pays per program: few, mid-sized tiles
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
+# Rows of x up to which dynamic_w8a8_gemm quantizes x inside the GEMM (decode: a launch less per linear); beyond,
+# each of the N / BLOCK_N column tiles would re-read and re-quantize bf16 x, so it quantizes once first. 64: the
+# bound of the W8A16 GEMM (quant.fp8), a first guess to be set from prefill timings on the GPU.
+DYNAMIC_QUANT_MAX_M = 64
 
 
 def gemm_tiles(m: int, device: torch.device, kind: str) -> GemmTiles:
@@ -276,6 +285,7 @@ def _w8a8_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
+    X_QUANT: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -284,14 +294,37 @@ def _w8a8_gemm_kernel(
     # SCALE_MODE 2 (per block): x per token group [m, x_scale_cols], W per 128 x 128 block [., w_scale_cols],
     # both applied to each K step of 128. Otherwise both scales multiply the finished product once:
     # x_scale_cols / w_scale_cols are then the scales' strides along rows / columns (0: one scale, 1: one each).
+    # X_QUANT: xq_ptr holds x itself (out's dtype, bf16/fp16) and the kernel quantizes it as
+    # kernels.fp8_act.quantize_activation does (x_scale_ptr unused): per token group, each K step's own tile;
+    # per token (x_scale_cols 1) or per tensor (0, every row in this program: m <= BLOCK_M), from an amax
+    # over the whole of K first. The bytes and scales equal the unfused ones, so the output does too.
     # SPLIT as in _w8a16_gemm_kernel; the partials are already scaled (the reduction adds the bias).
     rm, rn, split = program_tile(m, n, BLOCK_M, BLOCK_N)
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, k)
+    if X_QUANT and SCALE_MODE != 2:  # the rows' amax over all of K (not only this split's), then their scales
+        amax = tl.full([BLOCK_M], 0.0, tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = load_f32(xq_ptr + (rm[:, None] * k + rk[None, :]), (rm[:, None] < m) & (rk[None, :] < k), OUT_BF16)
+            amax = tl.maximum(amax, max_all(abs_nan_to_inf(x), 1))
+        amax = tl.where(x_scale_cols == 0, max_all(amax, 0), amax)  # per tensor: rows past m hold 0
+        row_scale = scale_of(amax)
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(xq_ptr + (rm[:, None] * k + rk[None, :]), mask=(rm[:, None] < m) & (rk[None, :] < k), other=0)
+        x_mask = (rm[:, None] < m) & (rk[None, :] < k)
+        if X_QUANT:
+            x = load_f32(xq_ptr + (rm[:, None] * k + rk[None, :]), x_mask, OUT_BF16)
+            if SCALE_MODE == 2:  # this K step is one token group: its scale from this tile
+                xs = scale_of(max_all(abs_nan_to_inf(x), 1))
+            else:
+                xs = row_scale
+            a = quantize_bits(x, xs[:, None])
+        else:
+            a = tl.load(xq_ptr + (rm[:, None] * k + rk[None, :]), mask=x_mask, other=0)
+            if SCALE_MODE == 2:  # BLOCK_K == 128: one token group
+                xs = tl.load(x_scale_ptr + (rm * x_scale_cols + k0 // BLOCK_K), mask=rm < m, other=0.0)
         b = tl.load(w_ptr + (rn[None, :] * k + rk[:, None]), mask=(rk[:, None] < k) & (rn[None, :] < n), other=0)
         if FP8_NATIVE:  # e4m3 tensor cores (sm_89+)
             part = tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32)
@@ -300,13 +333,15 @@ def _w8a8_gemm_kernel(
             b32 = e4m3_value(b.to(tl.int32))
             part = tl.dot(a32, b32, input_precision="ieee", out_dtype=tl.float32)
         if SCALE_MODE == 2:  # BLOCK_K == 128: one token group and one weight block column
-            xs = tl.load(x_scale_ptr + (rm * x_scale_cols + k0 // BLOCK_K), mask=rm < m, other=0.0)
             ws = tl.load(w_scale_ptr + ((rn // 128) * w_scale_cols + k0 // 128), mask=rn < n, other=0.0)
             acc += part * xs[:, None] * ws[None, :]
         else:
             acc += part
     if SCALE_MODE != 2:
-        xs = tl.load(x_scale_ptr + rm * x_scale_cols, mask=rm < m, other=0.0)
+        if X_QUANT:
+            xs = row_scale
+        else:
+            xs = tl.load(x_scale_ptr + rm * x_scale_cols, mask=rm < m, other=0.0)
         ws = tl.load(w_scale_ptr + rn * w_scale_cols, mask=rn < n, other=0.0)
         acc = acc * xs[:, None] * ws[None, :]
     if SPLIT:
@@ -462,40 +497,96 @@ def w8a8_gemm(
         TypeError / ValueError: dtypes, shapes or scale layouts the kernel does not take.
     """
     _check_gemm_inputs(xq, weight, "w8a8_gemm")
-    (m, k), n = xq.shape, weight.shape[0]
+    m, k = xq.shape
     granularity = scale_layout(weight, weight_scale)
     if xq.dtype != FP8_DTYPE or not xq.is_contiguous():
         raise TypeError(f"w8a8_gemm: xq must be a contiguous {FP8_DTYPE} tensor, got {xq.dtype}")
     if granularity == "block":
-        x_cols, w_cols = triton.cdiv(k, GROUP_SIZE), weight_scale.shape[1]
+        x_cols = triton.cdiv(k, GROUP_SIZE)
         if tuple(x_scale.shape) != (m, x_cols):
             raise TypeError(f"w8a8_gemm: per-block weights need x_scale [{m}, {x_cols}], got {tuple(x_scale.shape)}")
     else:
-        x_cols, w_cols = (0 if x_scale.numel() == 1 else 1), SCALE_MODES[granularity]  # strides: 0 one, 1 each
+        x_cols = 0 if x_scale.numel() == 1 else 1  # the stride of x's scales along rows: 0 one, 1 each
         if x_scale.numel() != 1 and tuple(x_scale.shape) != (m, 1):
             raise TypeError(f"w8a8_gemm: x_scale must be [{m}, 1] or one element, got {tuple(x_scale.shape)}")
+    x_operands = (xq.view(torch.uint8), x_scale.to(torch.float32).contiguous())
+    return _w8a8(x_operands, x_cols, False, weight, weight_scale, granularity, out_dtype, bias, tiles)
+
+
+def dynamic_w8a8_gemm(
+    x: torch.Tensor,
+    act_granularity: str,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: GemmTiles | None = None,
+) -> torch.Tensor:
+    """:func:`w8a8_gemm` of x quantized dynamically, as ``kernels.fp8_act.quantize_activation(x, act_granularity)``
+    quantizes it, and for decode batches inside the GEMM: one launch (two with split K) instead of the
+    quantization's one or two more, and no FP8 copy of x in memory. Each program then quantizes the x tiles it
+    reads, with that function's scales: per token group of 128 from the tile of each K step; per token or per
+    tensor from an amax over all of K first (x's rows read twice). So bytes, scales and output equal those of
+    ``w8a8_gemm(*quantize_activation(x, act_granularity), ...)`` with the same tiles, bit for bit (NaN / Inf as
+    there), and that pair runs instead beyond ``DYNAMIC_QUANT_MAX_M`` rows (every column tile would re-read and
+    re-quantize bf16 x) and, per tensor, beyond BLOCK_M rows (one scale needs every row in one program).
+
+    Args:
+        x: contiguous bf16/fp16 [M, K]: the activations, also the output's dtype.
+        act_granularity: "group" with per-block weights; "token" or "tensor" with per-channel / per-tensor ones.
+        weight, weight_scale, bias, tiles: as for :func:`w8a8_gemm`.
+    Returns:
+        [M, N] in x's dtype.
+    Raises:
+        ValueError: ``act_granularity`` does not go with the weight's scale layout.
+        RuntimeError / TypeError: as :func:`w8a8_gemm`.
+    """
+    _check_gemm_inputs(x, weight, "dynamic_w8a8_gemm")
+    if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous():
+        raise TypeError(f"dynamic_w8a8_gemm: x must be contiguous bf16/fp16, got {x.dtype}")
+    (m, k), n = x.shape, weight.shape[0]
+    granularity = scale_layout(weight, weight_scale)
+    if act_granularity == "group" and granularity != "block" and k <= GROUP_SIZE:
+        act_granularity = "token"  # one block's scale reads as one scale ([1, 1]); one group a row is one per token
+    if (act_granularity == "group") != (granularity == "block") or act_granularity not in ("group", "token", "tensor"):
+        raise ValueError(
+            f"dynamic_w8a8_gemm: activations per {act_granularity} do not go with per-{granularity} weights"
+        )
+    tiles = tiles or launch_tiles("w8a8-block" if granularity == "block" else "w8a8", m, n, k, x.device)
+    if m > DYNAMIC_QUANT_MAX_M or (act_granularity == "tensor" and m > tiles.block_m):
+        xq, x_scale = quantize_activation(x, act_granularity)
+        return w8a8_gemm(xq, x_scale, weight, weight_scale, x.dtype, bias, tiles)
+    x_cols = {"group": triton.cdiv(k, GROUP_SIZE), "token": 1, "tensor": 0}[act_granularity]
+    return _w8a8((x, x), x_cols, True, weight, weight_scale, granularity, x.dtype, bias, tiles)
+
+
+def _w8a8(x_operands, x_cols, x_quant, weight, weight_scale, granularity, out_dtype, bias, tiles) -> torch.Tensor:
+    """Launch ``_w8a8_gemm_kernel``: ``x_operands`` (xq bytes, x scales) or, with ``x_quant``, (x, x)."""
+    x = x_operands[0]
+    (m, k), n = x.shape, weight.shape[0]
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"w8a8_gemm: out_dtype must be bf16 or fp16, got {out_dtype}")
-    if xq.device.type == "cuda" and not fp8_native(xq.device):
+    if x.device.type == "cuda" and not fp8_native(x.device):
         raise RuntimeError("w8a8_gemm needs FP8 tensor cores (sm_89+); use w8a16_gemm")
-    out = _empty((m, n), out_dtype, xq.device)
+    out = _empty((m, n), out_dtype, x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     weight_scale = weight_scale.to(torch.float32).contiguous()
+    w_cols = weight_scale.shape[1] if granularity == "block" else SCALE_MODES[granularity]  # per tensor: stride 0
     bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else None
     out_bits = as_kernel_input(out)[0]
-    tiles = tiles or launch_tiles("w8a8-block" if granularity == "block" else "w8a8", m, n, k, xq.device)
+    if x_quant:
+        x_operands = (as_kernel_input(x)[0],) * 2
+    tiles = tiles or launch_tiles("w8a8-block" if granularity == "block" else "w8a8", m, n, k, x.device)
     if granularity == "block":
         tiles = _fit_block(tiles)
     _run(
-        _w8a8_gemm_kernel, xq.device, m, n, k, tiles,
-        (xq.view(torch.uint8), x_scale.to(torch.float32).contiguous(), weight.view(torch.uint8), weight_scale,
-         bias_bits if bias is not None else out_bits, out_bits),
+        _w8a8_gemm_kernel, x.device, m, n, k, tiles,
+        (*x_operands, weight.view(torch.uint8), weight_scale, bias_bits if bias is not None else out_bits, out_bits),
         (x_cols, w_cols), (weight_scale, bias_bits, out, SCALE_MODES["block"]),
         OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, SCALE_MODE=SCALE_MODES[granularity],
-        FP8_NATIVE=xq.device.type == "cuda",
+        FP8_NATIVE=x.device.type == "cuda", X_QUANT=x_quant,
     )  # fmt: skip
     return out
 
@@ -504,6 +595,7 @@ __all__ = [
     "W8A16_TILES_CUDA",
     "W8A8_TILES_CUDA",
     "GemmTiles",
+    "dynamic_w8a8_gemm",
     "gemm_tiles",
     "k_span",
     "launch_tiles",

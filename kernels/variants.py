@@ -170,7 +170,8 @@ def gemm_variants() -> Iterator[KernelVariant]:
     hardware on sm_90 (sm_89 once); then one variant for each other code difference: unaligned, int64
     sizes, fp16, split K (partials out), M = 1 (index type "m1": Triton passes an integer argument equal to 1
     as the constant 1, so ``m`` is then a Python int inside the kernel), and each larger tile (sm_90); and the
-    split-K reduction in each output dtype and scale mode, and with M = 1.
+    split-K reduction in each output dtype and scale mode, and with M = 1. The dynamic W8A8 GEMM (x quantized
+    inside) once per activation granularity (group, token, tensor), in fp16, split, and with M = 1.
     """
     bf16, fp16 = torch.bfloat16, torch.float16
     # (kind, dtype, tile row, scale layout, index type, bias, aligned, FP8 targets, sm_80 too, split K)
@@ -200,13 +201,23 @@ def gemm_variants() -> Iterator[KernelVariant]:
         ("w8a8", bf16, 0, "tensor", "m1", False, True, (90,), False, False),
     ]
     specs += [("w8a8", bf16, t, "block", "i32", False, True, (90,), False, False) for t in (1, 2, 3)]
+    # dynamic_w8a8_gemm (x quantized inside the GEMM): the scale layout field names the activations' granularity
+    specs += [
+        ("dynamic", bf16, 0, "group", "i32", True, True, (89, 90), False, False),
+        ("dynamic", bf16, 0, "token", "i32", True, True, (89, 90), False, False),
+        ("dynamic", bf16, 0, "tensor", "i32", False, True, (90,), False, False),
+        ("dynamic", fp16, 0, "group", "i32", False, True, (90,), False, False),
+        ("dynamic", bf16, 0, "token", "i32", False, True, (90,), False, True),
+        ("dynamic", bf16, 0, "group", "m1", False, True, (90,), False, True),
+        ("dynamic", bf16, 0, "tensor", "m1", True, False, (90,), False, False),
+    ]
     cuda = torch.device("cuda")
     for kind, dtype, t, granularity, index_type, has_bias, aligned, fp8_targets, sm80, split in specs:
         name, ptr, is_bf16 = str(dtype)[6:], POINTER_TYPES[dtype], dtype == torch.bfloat16
         table = W8A16_TILES_CUDA if kind == "w8a16" else W8A8_TILES_CUDA
         tiles = table[t][1]
         block_m, block_n, block_k = tiles.block_m, tiles.block_n, tiles.block_k
-        if granularity == "block":
+        if granularity in ("block", "group"):
             block_n, block_k = min(block_n, BLOCK_SIZE[0]), BLOCK_SIZE[1]
         options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         label = f"{block_m}x{block_n}x{block_k},{index_type},{'bias' if has_bias else 'nobias'}"
@@ -232,15 +243,19 @@ def gemm_variants() -> Iterator[KernelVariant]:
                 )  # fmt: skip
         else:
             fn, alignment = _w8a8_gemm_kernel, W8A8_ALIGNED
-            types = dict(sizes, xq_ptr="*u8", x_scale_ptr="*fp32", w_ptr="*u8", w_scale_ptr="*fp32")
-            types.update(bias_ptr=ptr, out_ptr=ptr, partial_ptr="*fp32")
+            dynamic = kind == "dynamic"  # x in bf16/fp16 at xq_ptr (x_scale_ptr unused), quantized in the kernel
+            types = dict(sizes, xq_ptr=ptr if dynamic else "*u8", x_scale_ptr=ptr if dynamic else "*fp32")
+            types.update(w_ptr="*u8", w_scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr, partial_ptr="*fp32")
             types.update(x_scale_cols=width, w_scale_cols=width)
+            weights = {"group": "block", "token": "channel", "tensor": "tensor"}.get(granularity, granularity)
+            x_const = {"x_scale_cols": 1} if dynamic and granularity == "token" else {}  # Triton's 1 specialization
             const = dict(
-                OUT_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[granularity], FP8_NATIVE=True,
-                SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **m_const,
+                OUT_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[weights], FP8_NATIVE=True,
+                X_QUANT=dynamic, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **m_const, **x_const,
             )  # fmt: skip
             yield KernelVariant(
-                f"w8a8_gemm[{name},{granularity},{label}{',aligned' if aligned else ''}]",
+                f"{'dynamic_w8a8' if dynamic else 'w8a8'}_gemm[{name},{granularity},{label}"
+                f"{',aligned' if aligned else ''}]",
                 fn, _signature(fn, types, const), const, fp8_targets, options, alignment if aligned else (),
             )  # fmt: skip
     fn = _split_k_reduce_kernel

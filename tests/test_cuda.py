@@ -122,8 +122,8 @@ def test_fp16_per_channel_w8a8_falls_back_with_one_warning(hf_checkpoint, caplog
 FORWARD_CASES = [
     ("fp8-per-tensor", "auto", "_scaled_mm"),  # fused per-tensor activation quant + torch._scaled_mm
     ("fp8-per-channel", "auto", "_scaled_mm"),  # fused per-token activation quant + row-wise _scaled_mm
-    ("fp8-per-block", "auto", "w8a8_gemm"),  # per-group activation quant + block-scaled FP8 GEMM
-    ("fp8-per-block", "w8a8", "w8a8_gemm"),
+    ("fp8-per-block", "auto", "dynamic_w8a8_gemm"),  # block-scaled FP8 GEMM, x quantized per group inside it
+    ("fp8-per-block", "w8a8", "dynamic_w8a8_gemm"),
     ("fp8-per-tensor", "w8a16", "w8a16_gemm"),
     ("fp8-per-channel", "w8a16", "w8a16_gemm"),
     ("fp8-per-block", "w8a16", "w8a16_gemm"),
@@ -139,7 +139,7 @@ def _fp8_gpu() -> bool:
 def test_compiled_gemms_within_the_f64_bound(granularity, dtype):
     from layerwise.kernels import reference
     from layerwise.kernels.fp8_act import quantize_activation
-    from layerwise.kernels.fp8_gemm import GemmTiles, w8a8_gemm, w8a16_gemm
+    from layerwise.kernels.fp8_gemm import GemmTiles, dynamic_w8a8_gemm, w8a8_gemm, w8a16_gemm
     from tests.test_kernels_gemm import SHAPES, _operands, assert_close_to_f64
 
     # (1, 512, 1000): M == 1 reaches the kernels as Triton's constant 1, split K over 8 blocks included
@@ -160,6 +160,9 @@ def test_compiled_gemms_within_the_f64_bound(granularity, dtype):
             # FP8 tensor cores accumulate each 128-long K step with fewer bits than float32 (DeepSeek-V3
             # reports about 14 on H800): 2^-13 per product bounds it; the scaled steps add in float32
             assert_close_to_f64(y, x64, w64, bias.double(), acc_eps=2.0**-13)
+            # x quantized inside the GEMM: the same bytes and scales, so the same output bit for bit
+            fused = dynamic_w8a8_gemm(x.cuda(), act, q.cuda(), s.cuda(), bias.cuda(), tiles=tiles)
+            assert torch.equal(fused.view(torch.int16), y.view(torch.int16)), (m, n, k, tiles)
 
 
 @pytest.mark.parametrize("granularity", ["token", "group", "tensor"])
@@ -184,7 +187,10 @@ def test_fused_forward_against_transformers(hf_checkpoint, monkeypatch, scheme, 
     if kernel_name != "w8a16_gemm" and not _fp8_gpu():
         pytest.skip("W8A8 needs sm_89+")
     calls = []
-    for module, name in ((fp8_gemm, "w8a16_gemm"), (fp8_gemm, "w8a8_gemm"), (fp8_act, "quantize_activation")):
+    for module, name in (
+        (fp8_gemm, "w8a16_gemm"), (fp8_gemm, "w8a8_gemm"), (fp8_gemm, "dynamic_w8a8_gemm"),
+        (fp8_act, "quantize_activation"),
+    ):  # fmt: skip
         real = getattr(module, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -198,9 +204,8 @@ def test_fused_forward_against_transformers(hf_checkpoint, monkeypatch, scheme, 
     with torch.no_grad():
         out = model(ids.cuda()).float().cpu()
     assert sqnr_db(hf_logits(path, ids), out) >= 18, (arch, scheme, fp8_mode)
-    expected = {"w8a16_gemm"} if kernel_name == "w8a16_gemm" else {"quantize_activation"}
-    if kernel_name == "w8a8_gemm":
-        expected.add("w8a8_gemm")
+    # 32 rows: the block-scaled GEMM quantizes x itself (no quantize_activation); _scaled_mm needs it first
+    expected = {"quantize_activation"} if kernel_name == "_scaled_mm" else {kernel_name}
     assert set(calls) == expected, calls
 
 

@@ -167,11 +167,13 @@ def test_w8a8_is_stored_only_where_it_beat_scaled_mm():
                  "us": us} for kind, us in (("w8a16", 9.0), ("w8a8", w8a8_us))]  # fmt: skip
         return {"best": rows, "references": [{"shape": "o_proj", "m": 8, "us": refs}]}
 
-    both = {"scaled_mm per tensor": 5.0, "scaled_mm per row": 6.0}
+    # the W8A8 GEMM quantizes x inside: it is judged against _scaled_mm with the activation quantization it needs
+    tensor, row = "act quant + scaled_mm per tensor", "act quant + scaled_mm per row"
+    both = {tensor: 5.0, row: 6.0, "scaled_mm per tensor": 3.0, "scaled_mm per row": 3.5}
     assert set(gemm_tune.best_configs(result(4.0, both))) == {"w8a16", "w8a8"}
     assert set(gemm_tune.best_configs(result(5.5, both))) == {"w8a16"}  # slower than the per-tensor one
-    assert set(gemm_tune.best_configs(result(4.0, {"scaled_mm per row": 6.0}))) == {"w8a16"}  # none per tensor
-    no_fp8 = {"scaled_mm per tensor": "RuntimeError: ...", "scaled_mm per row": 6.0}
+    assert set(gemm_tune.best_configs(result(4.0, {row: 6.0}))) == {"w8a16"}  # none per tensor
+    no_fp8 = {tensor: "RuntimeError: ...", row: 6.0}
     assert set(gemm_tune.best_configs(result(4.0, no_fp8))) == {"w8a16"}
 
 

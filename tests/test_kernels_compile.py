@@ -82,6 +82,14 @@ def test_the_matrix_covers_every_gemm():
     assert "w8a16_gemm[bfloat16,channel,16x16x256,m1,bias,split,int,aligned]" in names
     assert "w8a8_gemm[bfloat16,block,16x16x128,m1,bias,split,aligned]" in names
     assert "w8a8_gemm[bfloat16,tensor,16x16x128,m1,nobias,aligned]" in names
+    # x quantized inside the W8A8 GEMM: each activation granularity (per token: Triton's constant 1 stride)
+    for act in ("group", "token"):
+        assert f"dynamic_w8a8_gemm[bfloat16,{act},16x16x128,i32,bias,aligned]" in names
+    assert "dynamic_w8a8_gemm[bfloat16,tensor,16x16x128,i32,nobias,aligned]" in names
+    assert "dynamic_w8a8_gemm[float16,group,16x16x128,i32,nobias,aligned]" in names
+    assert "dynamic_w8a8_gemm[bfloat16,token,16x16x128,i32,nobias,split,aligned]" in names
+    assert "dynamic_w8a8_gemm[bfloat16,group,16x16x128,m1,nobias,split,aligned]" in names
+    assert "dynamic_w8a8_gemm[bfloat16,tensor,16x16x128,m1,bias]" in names
     for kind, table in (("w8a16_gemm", W8A16_TILES_CUDA), ("w8a8_gemm", W8A8_TILES_CUDA)):
         for _, (block_m, *_) in table:  # every tile row of both tables is built
             assert any(n.startswith(f"{kind}[bfloat16,") and f",{block_m}x" in n for n in names), (kind, block_m)
@@ -119,7 +127,9 @@ def test_aligned_gemms_pipeline_their_loads():
     for name in ("w8a16_gemm[bfloat16,channel,16x16x256,i32,bias,native,aligned]",
                  "w8a8_gemm[bfloat16,block,16x16x128,i32,bias,aligned]",
                  "w8a16_gemm[bfloat16,channel,16x16x256,i32,nobias,split,native,aligned]",
-                 "w8a8_gemm[bfloat16,block,16x16x128,i32,nobias,split,aligned]"):  # fmt: skip
+                 "w8a8_gemm[bfloat16,block,16x16x128,i32,nobias,split,aligned]",
+                 "dynamic_w8a8_gemm[bfloat16,group,16x16x128,i32,bias,aligned]",
+                 "dynamic_w8a8_gemm[bfloat16,token,16x16x128,i32,nobias,split,aligned]"):  # fmt: skip
         variant = next(v for v in GEMM_VARIANTS if v.name == name)
         compiled = _compile(variant, 90)
         assert "cp.async" in compiled.asm["ptx"], name

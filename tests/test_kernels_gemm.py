@@ -18,7 +18,7 @@ import torch
 
 from layerwise.kernels import fp8_quantize_weight, reference
 from layerwise.kernels.fp8_act import quantize_activation
-from layerwise.kernels.fp8_gemm import GemmTiles, gemm_tiles, k_span, w8a8_gemm, w8a16_gemm
+from layerwise.kernels.fp8_gemm import GemmTiles, dynamic_w8a8_gemm, gemm_tiles, k_span, w8a8_gemm, w8a16_gemm
 
 SHAPES = [(1, 16, 32), (3, 40, 70), (17, 33, 257), (8, 130, 300)]  # (M, N, K): tails in every dim
 EPS_OUT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -79,6 +79,60 @@ def test_w8a8_gemm(dtype, granularity, act):
         y = w8a8_gemm(xq, xs, q, s, dtype, bias if with_bias else None)
         assert y.shape == (m, n) and y.dtype == dtype
         assert_close_to_f64(y, x64, reference.dequantize(q, s, torch.float64), bias.double() if with_bias else None)
+
+
+@pytest.mark.parametrize(("granularity", "act"), W8A8_PAIRS)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_dynamic_w8a8_gemm_equals_quantize_then_gemm(granularity, act, split_k):
+    # x quantized inside the GEMM: the bytes and scales of quantize_activation, so the output of the unfused pair,
+    # bit for bit (a row holding NaN and one holding Inf too), within the float64 bound; per tensor at M <= BLOCK_M
+    tiles = GemmTiles(16, 32, 128, split_k, 1, 1)
+    for i, (m, n, k) in enumerate([(1, 16, 32), (3, 40, 70), (16, 33, 257), (8, 130, 300)]):
+        dtype = torch.float16 if i == 1 else torch.bfloat16
+        x, q, s, bias = _operands(m, n, k, dtype, granularity, 40 + i)
+        if m > 2:
+            x[1, 5], x[2, k - 1] = float("nan"), float("-inf")
+        bias = bias if i % 2 == 0 else None
+        y = dynamic_w8a8_gemm(x, act, q, s, bias, tiles=tiles)
+        xq, xs, x64 = _quantized_x(x, act)
+        unfused = w8a8_gemm(xq, xs, q, s, dtype, bias, tiles=tiles)
+        assert y.dtype == dtype and torch.equal(y.view(torch.int16), unfused.view(torch.int16)), (m, n, k)
+        finite = torch.isfinite(x).all(dim=1) if act != "tensor" else torch.isfinite(x).all().expand(m)
+        w64 = reference.dequantize(q, s, torch.float64)
+        assert_close_to_f64(y[finite], x64[finite], w64, bias.double() if bias is not None else None)
+        assert not torch.isfinite(y[~finite]).any()
+
+
+def test_dynamic_w8a8_gemm_quantizes_first_where_inside_cannot_or_should_not(monkeypatch):
+    # one scale over 17 rows spans two programs of 16; beyond DYNAMIC_QUANT_MAX_M rows every column tile would
+    # re-read x: quantize_activation runs first there, and only there; the result is the same either way
+    from layerwise.kernels import fp8_gemm
+
+    calls = []
+    real = fp8_gemm.quantize_activation
+    monkeypatch.setattr(fp8_gemm, "quantize_activation", lambda x, g: calls.append((x.shape[0], g)) or real(x, g))
+    monkeypatch.setattr(fp8_gemm, "DYNAMIC_QUANT_MAX_M", 20)
+    qc, sc = fp8_quantize_weight(torch.randn(32, 256).bfloat16(), "channel")
+    tiles = GemmTiles(16, 32, 128, 1, 1, 1)
+    for m, act, first in ((16, "tensor", False), (17, "tensor", True), (20, "token", False), (21, "token", True)):
+        x = torch.randn(m, 256).bfloat16()
+        y = dynamic_w8a8_gemm(x, act, qc, sc, tiles=tiles)
+        assert calls == ([(m, act)] if first else []), (m, act)
+        calls.clear()
+        assert torch.equal(
+            y.view(torch.int16), w8a8_gemm(*real(x, act), qc, sc, torch.bfloat16, None, tiles).view(torch.int16)
+        )
+
+
+def test_dynamic_w8a8_gemm_refuses_activations_that_do_not_go_with_the_weights():
+    x = torch.randn(4, 256).bfloat16()
+    qc, sc = fp8_quantize_weight(torch.randn(32, 256).bfloat16(), "channel")
+    qb, sb = fp8_quantize_weight(torch.randn(256, 256).bfloat16(), "block")
+    for act, q, s in (("group", qc, sc), ("token", qb, sb), ("row", qc, sc)):
+        with pytest.raises(ValueError, match=f"activations per {act} do not go with"):
+            dynamic_w8a8_gemm(x, act, q, s)
+    with pytest.raises(TypeError, match="contiguous bf16/fp16"):
+        dynamic_w8a8_gemm(x.float(), "token", qc, sc)
 
 
 SPLIT_SHAPES = [(3, 40, 70), (17, 33, 257), (8, 130, 300), (2, 24, 1000)]  # 1, 2-3 and 8 K blocks of 128
@@ -196,7 +250,7 @@ def test_model_forward_through_the_triton_gemms(
     calls = []
     monkeypatch.setattr(quant_fp8, "fused_forward", lambda kernel, x: x.dtype == torch.bfloat16)
     monkeypatch.setattr(fp8_gemm, "fp8_native", lambda device: True)
-    for name in ("w8a16_gemm", "w8a8_gemm"):
+    for name in ("w8a16_gemm", "dynamic_w8a8_gemm"):
         real = getattr(fp8_gemm, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -206,7 +260,7 @@ def test_model_forward_through_the_triton_gemms(
         monkeypatch.setattr(fp8_gemm, name, counted)
     with torch.no_grad():
         triton_path = model(ids).float()
-    expected = "w8a16_gemm" if fp8_mode == "w8a16" else "w8a8_gemm"
+    expected = "w8a16_gemm" if fp8_mode == "w8a16" else "dynamic_w8a8_gemm"
     assert calls and set(calls) == {expected}
     assert sqnr_db(qwen2_reference_logits, triton_path) >= 18
     # same weights, same W8A16 arithmetic up to rounding: far closer to the torch path than to transformers
@@ -218,7 +272,8 @@ def test_w8a8_forward_takes_the_triton_gemm_only_where_tuned(
     qwen2_checkpoint, qwen2_reference_logits, monkeypatch, scheme
 ):
     # The CUDA W8A8 forward of per-tensor / per-channel weights (interpreted here): torch._scaled_mm, unless the
-    # tuner stored a "w8a8" configuration for the shape (it does only where the Triton GEMM was faster)
+    # tuner stored a "w8a8" configuration for the shape (it does only where the Triton GEMM, x quantized inside,
+    # was faster)
     import layerwise
     import layerwise.kernels.fp8_gemm as fp8_gemm
     import layerwise.quant.fp8 as quant_fp8
@@ -228,8 +283,8 @@ def test_w8a8_forward_takes_the_triton_gemm_only_where_tuned(
     model = layerwise.load_model(qwen2_checkpoint, quantization=scheme, fp8_mode="w8a8")
     monkeypatch.setattr(quant_fp8, "fused_forward", lambda kernel, x: x.dtype == torch.bfloat16)
     calls = []
-    real_gemm, real_scaled_mm = fp8_gemm.w8a8_gemm, torch._scaled_mm
-    monkeypatch.setattr(fp8_gemm, "w8a8_gemm", lambda *a, **k: calls.append("w8a8_gemm") or real_gemm(*a, **k))
+    real_gemm, real_scaled_mm = fp8_gemm.dynamic_w8a8_gemm, torch._scaled_mm
+    monkeypatch.setattr(fp8_gemm, "dynamic_w8a8_gemm", lambda *a, **k: calls.append("gemm") or real_gemm(*a, **k))
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append("_scaled_mm") or real_scaled_mm(*a, **k))
     with torch.no_grad():
         scaled_mm_path = model(IDS).float()
@@ -239,7 +294,7 @@ def test_w8a8_forward_takes_the_triton_gemm_only_where_tuned(
     monkeypatch.setattr(fp8_gemm, "tuned_tiles", lambda kind, m, n, k, device: tuned.append(kind) or TILES_INTERPRET)
     with torch.no_grad():
         triton_path = model(IDS).float()
-    assert calls and set(calls) == {"w8a8_gemm"} and set(tuned) == {"w8a8"}
+    assert calls and set(calls) == {"gemm"} and set(tuned) == {"w8a8"}
     assert sqnr_db(qwen2_reference_logits, triton_path) >= 18
     # the same FP8 operands and scales as _scaled_mm's, only the float32 summation order differs; a last-bit
     # difference of a bf16 output can move the next layer's FP8 rounding, hence the W8A8 bound of the test above
