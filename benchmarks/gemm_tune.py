@@ -4,14 +4,15 @@ For each projection of the --size model (qkv_proj, o_proj, gate_up_proj and down
 (decode batch sizes), every candidate ``GemmTiles`` of each GEMM kind is timed (``kernels.gemm_configs``): "w8a16"
 (per-channel weight scales; per tensor runs the same loop), "w8a16-block", "w8a8-block" and "w8a8" (per-channel
 weights and per-token activations, checked per tensor too: the Triton alternative to the activation quantization and
-``torch._scaled_mm``); both W8A8 kinds as the forward calls them, x quantized inside the GEMM
-(``kernels.fp8_gemm.dynamic_w8a8_gemm``). Each time is a CUDA graph's replay of 20 calls divided by 20, as the
-decode step replays them (no launch overhead), the calls cycling through copies of the weight that together exceed
-twice the L2 cache (each call streams its weight from memory, as in a decode step). A candidate is checked first,
-its outputs and partials filled with NaN beforehand, against the float32 product of the dequantized operands (within
-2% of its largest magnitude); one that fails or does not compile is recorded with its error and never chosen. The
-references, timed the same way: F.linear in BF16 (cuBLAS), torch._scaled_mm per tensor and per row (sm89+; with and
-without the fused activation quantization), and the activation quantization alone.
+``torch._scaled_mm``), as the forward calls them: "w8a8" with x quantized inside the GEMM
+(``kernels.fp8_gemm.dynamic_w8a8_gemm``), "w8a8-block" with x quantized beforehand. Each time is a CUDA graph's
+replay of 20 calls divided by 20, as the decode step replays them (no launch overhead), the calls cycling through
+copies of the weight that together exceed twice the L2 cache (each call streams its weight from memory, as in a
+decode step). A candidate is checked first, its outputs and partials filled with NaN beforehand, against the float32
+product of the dequantized operands (within 2% of its largest magnitude); one that fails or does not compile is
+recorded with its error and never chosen. The references, timed the same way: F.linear in BF16 (cuBLAS),
+torch._scaled_mm per tensor and per row (sm89+; with and without the fused activation quantization), and the
+activation quantization alone.
 
     python -m layerwise.benchmarks.gemm_tune --device cuda --size 8b [--m 1,8] [--quick] [--budget S]
         [--compile-threads N] [--write-configs]
@@ -50,6 +51,7 @@ from layerwise.kernels.fp8_gemm import (
     dynamic_w8a8_gemm,
     fp8_native,
     launch_tiles,
+    w8a8_gemm,
     w8a16_gemm,
 )
 from layerwise.kernels.gemm_configs import KINDS, config_path, write_configs
@@ -133,7 +135,10 @@ def _gemm(kind: str, ops: dict, layout: str | None = None):
     if layout == "tensor":
         weight_layout, act = "tensor", "tensor"
     weights, (xq, xs) = ops[weight_layout], ops[f"x_{act}"]
-    call = lambda tiles, i: dynamic_w8a8_gemm(x, act, *weights[i % len(weights)], tiles=tiles)  # as the forward
+    if kind == "w8a8":  # as the forward calls them: x quantized inside the GEMM (per block: quantized first)
+        call = lambda tiles, i: dynamic_w8a8_gemm(x, act, *weights[i % len(weights)], tiles=tiles)
+    else:
+        call = lambda tiles, i: w8a8_gemm(xq, xs, *weights[i % len(weights)], torch.bfloat16, tiles=tiles)
     x_scale = xs.repeat_interleave(128, dim=1)[:, : xq.shape[1]] if act == "group" else xs
     return call, (xq.float() * x_scale) @ reference.dequantize(*weights[0], torch.float32).t()
 

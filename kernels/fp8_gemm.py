@@ -18,7 +18,12 @@ FP8 weight bytes and their float32 scales inside the K loop:
   arithmetic; ``quant.fp8`` launches this instead only where a tuned configuration beat it).
 * :func:`dynamic_w8a8_gemm`: the same GEMM of bf16/fp16 x, quantized as ``kernels.fp8_act`` quantizes it but
   inside the GEMM for decode batches (each program quantizes the x tiles it reads; per token / per tensor
-  after an amax pass over K): one launch per linear instead of two or three, the same bytes and output.
+  after an amax pass over K): one launch per linear instead of two or three, the same bytes and output. Each
+  of the N / BLOCK_N column tiles quantizes x again (~40 ALU ops an element, integer e4m3 rounding and IEEE
+  division): with 16-wide decode tiles that is ~M_pad / 16 quantizations per weight byte, enough to make a
+  memory-bound GEMM ALU-bound, so it pays only with wide column tiles (split K then keeps the GPU busy). The
+  forward therefore runs it only where the tuner measured it faster than the quantization kernel and
+  ``torch._scaled_mm`` (per-tensor and per-channel weights); per-block weights quantize first.
 
 Tiling (``launch_tiles``): a configuration tuned on this GPU for the shape and M where
 ``kernels.gemm_configs`` stores one (``python -m layerwise.benchmarks.gemm_tune``), else the
@@ -528,7 +533,8 @@ def dynamic_w8a8_gemm(
     tensor from an amax over all of K first (x's rows read twice). So bytes, scales and output equal those of
     ``w8a8_gemm(*quantize_activation(x, act_granularity), ...)`` with the same tiles, bit for bit (NaN / Inf as
     there), and that pair runs instead beyond ``DYNAMIC_QUANT_MAX_M`` rows (every column tile would re-read and
-    re-quantize bf16 x) and, per tensor, beyond BLOCK_M rows (one scale needs every row in one program).
+    re-quantize bf16 x) and, per tensor, beyond BLOCK_M rows (one scale needs every row in one program). Whether
+    it beats the pair depends on the tiles (see the module docstring: each column tile quantizes x again).
 
     Args:
         x: contiguous bf16/fp16 [M, K]: the activations, also the output's dtype.

@@ -24,10 +24,10 @@ per-channel weights, then ``torch._scaled_mm``) on CUDA sm89+, or W8A16 (dequant
 ``F.linear``). On CUDA with ``kernel="triton"`` the activation quantization is one fused Triton
 kernel (``kernels.fp8_act``); on CPU it is the torch reference, bit for bit the same bytes.
 Per-block weights run W8A16 on CPU; on CUDA (``kernel="triton"``, bf16/fp16) they run the Triton
-block-scaled W8A8 GEMM on sm_89+ (activations per token group of 128, quantized inside the GEMM for decode
-batches: ``kernels.fp8_gemm.dynamic_w8a8_gemm``) and the Triton W8A16 GEMM on older GPUs. Per-tensor and
-per-channel weights run the Triton W8A8 GEMM (x quantized inside) instead of the quantization kernel and
-``torch._scaled_mm`` where a tuned configuration says it was faster on this GPU. Every W8A16 forward on CUDA
+block-scaled W8A8 GEMM on sm_89+ (activations per token group of 128) and the Triton W8A16 GEMM on older
+GPUs. Per-tensor and per-channel weights run the Triton W8A8 GEMM with x quantized inside it
+(``kernels.fp8_gemm.dynamic_w8a8_gemm``) instead of the quantization kernel and ``torch._scaled_mm`` where a
+tuned configuration says it was faster on this GPU. Every W8A16 forward on CUDA
 (mode "w8a16", sm_80, unaligned shapes, fp16 per-channel) decodes the FP8 weight inside a Triton GEMM for up
 to ``W8A16_GEMM_MAX_M`` tokens instead of dequantizing the whole weight (``kernels.fp8_gemm``).
 This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
@@ -276,17 +276,20 @@ class Fp8LinearMethod(QuantMethod):
     ) -> torch.Tensor | None:
         """The Triton FP8 GEMM forward on CUDA (``kernels.fp8_gemm``), or None where it does not apply.
 
-        Per-block weights on sm_89+ (unless mode "w8a16"): the block-scaled W8A8 GEMM of activations quantized
-        per token group of 128 (inside it for decode batches), at any M. Otherwise W8A16 (FP8 weight bytes
-        decoded inside the GEMM) for at most ``W8A16_GEMM_MAX_M`` rows; None beyond, so the caller dequantizes +
-        ``F.linear``.
+        Per-block weights on sm_89+ (unless mode "w8a16"): activations quantized per token group of 128,
+        then the block-scaled W8A8 GEMM, at any M. Otherwise W8A16 (FP8 weight bytes decoded inside the GEMM)
+        for at most ``W8A16_GEMM_MAX_M`` rows; None beyond, so the caller dequantizes + ``F.linear``.
         """
-        from layerwise.kernels.fp8_gemm import dynamic_w8a8_gemm, fp8_native, w8a16_gemm  # needs triton: CUDA only
+        from layerwise.kernels.fp8_act import quantize_activation  # needs triton: imported on CUDA only
+        from layerwise.kernels.fp8_gemm import fp8_native, w8a8_gemm, w8a16_gemm
 
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         bias = bias.to(x.dtype) if bias is not None else None
         if self.granularity == "block" and self.mode != "w8a16" and fp8_native(x.device):
-            y = dynamic_w8a8_gemm(x2, "group", weight, scale, bias)  # x quantized per token group of 128
+            # quantized first, not inside the GEMM (dynamic_w8a8_gemm): each of its N / BLOCK_N column tiles would
+            # quantize x again, ~40 ALU ops an element, which at decode tiles outweighs the launch it saves
+            xq, x_scale = quantize_activation(x2, "group")
+            y = w8a8_gemm(xq, x_scale, weight, scale, x.dtype, bias)
         elif x2.shape[0] <= W8A16_GEMM_MAX_M and not (self.granularity == "block" and self.mode == "w8a8"):
             y = w8a16_gemm(x2, weight, scale, bias)
         else:

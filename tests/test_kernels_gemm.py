@@ -250,7 +250,7 @@ def test_model_forward_through_the_triton_gemms(
     calls = []
     monkeypatch.setattr(quant_fp8, "fused_forward", lambda kernel, x: x.dtype == torch.bfloat16)
     monkeypatch.setattr(fp8_gemm, "fp8_native", lambda device: True)
-    for name in ("w8a16_gemm", "dynamic_w8a8_gemm"):
+    for name in ("w8a16_gemm", "w8a8_gemm"):
         real = getattr(fp8_gemm, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
@@ -260,7 +260,7 @@ def test_model_forward_through_the_triton_gemms(
         monkeypatch.setattr(fp8_gemm, name, counted)
     with torch.no_grad():
         triton_path = model(ids).float()
-    expected = "w8a16_gemm" if fp8_mode == "w8a16" else "dynamic_w8a8_gemm"
+    expected = "w8a16_gemm" if fp8_mode == "w8a16" else "w8a8_gemm"
     assert calls and set(calls) == {expected}
     assert sqnr_db(qwen2_reference_logits, triton_path) >= 18
     # same weights, same W8A16 arithmetic up to rounding: far closer to the torch path than to transformers
