@@ -34,7 +34,9 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -220,6 +222,7 @@ def tune(
     quick: bool = False,
     budget: float | None = None,
     threads: int = COMPILE_THREADS,
+    progress: Callable[[dict], None] | None = None,
 ) -> dict:
     """Time every candidate of each kind on each projection and M; returns the result main writes as JSON.
 
@@ -231,6 +234,8 @@ def tune(
     instead of all of them for the first projections and none for the last (a compile takes about a second per
     configuration and M specialization: a full run at several M can outlast a device session). ``threads``: how
     many compile a slice's candidates at once, before its timings (:func:`precompile`; 1: each as it is timed).
+    ``progress``: called with the result so far (``"complete": False``) after every slice, so that a run cut off
+    keeps what it measured.
     """
     device = torch.device(device)
     start = time.monotonic()
@@ -238,7 +243,23 @@ def tune(
     if device.type == "cuda" and not fp8_native(device):
         kinds = tuple(k for k in kinds if not k.startswith("w8a8"))  # FP8 tensor cores only
     shapes = projections(spec)
-    best, references, errors, skipped, done = [], [], [], 0, 0
+    best, references, errors = [], [], []
+    result = {
+        "benchmark": "gemm_tune",
+        **provenance(device, size, spec),
+        "m": list(ms),
+        "quick": quick,
+        "budget_seconds": budget,
+        "compile_threads": threads,
+        "complete": False,
+        "seconds": 0.0,
+        "projections": {name: list(nk) for name, nk in shapes.items()},
+        "best": best,
+        "references": references,
+        "errors": errors,
+        "skipped_over_budget": 0,
+    }
+    done = 0
     for m in ms:
         ops = {name: _operands(n, k, m, device, seed=n + k + m) for name, (n, k) in shapes.items()}
         refs = {name: _references(ops[name], device) for name in shapes}
@@ -247,7 +268,7 @@ def tune(
             done += 1
             deadline = None if budget is None else start + budget * done / (len(ms) * len(kinds))
             timed, defaults, slice_skipped = _tune_slice(kind, m, shapes, ops, device, quick, deadline, errors, threads)
-            skipped += slice_skipped
+            result["skipped_over_budget"] += slice_skipped
             for name, (n, k) in shapes.items():
                 rows = sorted(timed[name])
                 if not rows:
@@ -267,34 +288,28 @@ def tune(
                       file=sys.stderr)  # fmt: skip
             print(f"  M={m} {kind}: {time.monotonic() - start:.0f} s, {slice_skipped} timings skipped over budget",
                   file=sys.stderr)  # fmt: skip
-    return {
-        "benchmark": "gemm_tune",
-        **provenance(device, size, spec),
-        "m": list(ms),
-        "quick": quick,
-        "budget_seconds": budget,
-        "compile_threads": threads,
-        "seconds": time.monotonic() - start,
-        "projections": {name: list(nk) for name, nk in shapes.items()},
-        "best": best,
-        "references": references,
-        "errors": errors,
-        "skipped_over_budget": skipped,
-    }
+            result["seconds"] = time.monotonic() - start
+            if progress is not None:
+                progress(result)
+    result["complete"] = True
+    return result
 
 
-def precompile(jobs: list, device: torch.device, threads: int = COMPILE_THREADS) -> None:
+def precompile(jobs: list, device: torch.device, threads: int = COMPILE_THREADS, deadline: float | None = None) -> None:
     """Run each ``(call, tiles)`` of ``jobs`` once, ``call(tiles, 0)``, from ``threads`` threads, so that Triton
     compiles the candidates side by side: a compile spends most of its time outside the GIL, in MLIR passes and
     ptxas (two threads compiled six GEMM variants 1.7x faster than one on this 2-core machine). Outputs are
     dropped and errors ignored: the check that follows runs every candidate again and records its error.
     CUDA only, with 2 threads or more: the interpreter patches ``triton.language`` while a kernel runs, so on
-    CPU kernels run one at a time (and there is nothing to compile).
+    CPU kernels run one at a time (and there is nothing to compile). Jobs not started by ``deadline``
+    (time.monotonic) are skipped: past it the slice times its defaults only.
     """
     if device.type != "cuda" or threads < 2 or len(jobs) < 2:
         return
 
     def run(job):
+        if deadline is not None and time.monotonic() > deadline:
+            return
         call, tiles = job
         with contextlib.suppress(Exception):
             call(tiles, 0)
@@ -319,7 +334,7 @@ def _tune_slice(kind, m, shapes, ops, device, quick, deadline, errors, threads) 
     defaults = {name: launch_tiles(kind, m, n, k, device) for name, (n, k) in shapes.items()}
     todo = list(dict.fromkeys([*defaults.values(), *candidates(kind, m, device, quick)]))
     first = runs[next(iter(shapes))][1]  # the projections share the compiled kernels: one shape's calls compile all
-    precompile([(call, tiles) for tiles in todo for call, _ in first], device, threads)
+    precompile([(call, tiles) for tiles in todo for call, _ in first], device, threads, deadline)
     timed: dict = {name: [] for name in shapes}
     skipped = 0
     for tiles in todo:
@@ -409,15 +424,22 @@ def main(argv=None) -> int:
         parser.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS)}")
     if args.write_configs and torch.device(args.device).type != "cuda":
         parser.error("--write-configs needs --device cuda (interpreted times are not measurements)")
-    result = tune(args.size, args.device, ms, kinds, args.quick, args.budget, args.compile_threads)
-    path = write_json(result, args.out_dir, args.name or f"gemm_tune_{args.device}_{args.size}")
+    name = args.name or f"gemm_tune_{args.device}_{args.size}"
+
+    def save(result: dict) -> Path:  # after every slice too: a run cut off keeps what it measured
+        path = write_json(result, args.out_dir, name)
+        if args.write_configs:
+            keep = ("commit", "versions", "date", "size")
+            target = config_path(result["device_name"])
+            write_configs(target, result["device_name"], best_configs(result), {f: result[f] for f in keep})
+        return path
+
+    result = tune(args.size, args.device, ms, kinds, args.quick, args.budget, args.compile_threads, save)
+    path = save(result)
     print(table(result))
     print(f"written to {path}")
     if args.write_configs:
-        target = config_path(result["device_name"])
-        keep = ("commit", "versions", "date", "size")
-        write_configs(target, result["device_name"], best_configs(result), {f: result[f] for f in keep})
-        print(f"configurations written to {target}")
+        print(f"configurations written to {config_path(result['device_name'])}")
     return 0
 
 

@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_session.sh tune     # GEMM tiles for the 8b projections at M = 1 and 8 (decode);
 #                                           # writes kernels/configs/<gpu>.json into $OUT/configs  (~5 min)
 #
+# Every step is cut off by SIGINT (timeout -s INT), so pytest still prints its summary; each part's limits add
+# up to less than the device's 600 s per call. The tuner writes its JSON and configurations after every slice.
 # Run from the repository root. A torchao wheel in .whl/ (`pip download torchao==0.17.0 --no-deps -d .whl`)
 # is installed first where torchao is missing. Afterwards, on the development machine: copy the JSON into
 # benchmarks/results/, commit it, then `python -m layerwise.benchmarks.readme` and commit README.md. Run
@@ -26,28 +28,30 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/
   >"$OUT/device.txt" 2>&1
 case "$part" in
   tests)
-    timeout 420 python3 -m pytest -m gpu tests -q -rfE -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+    timeout -s INT -k 10 420 python3 -m pytest -m gpu tests -q -rfE --durations=15 -p no:cacheprovider \
+      >"$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; tail -n 25 "$OUT/gpu_tests.log"
-    timeout 120 python3 -m layerwise.cli demo --device cuda >"$OUT/demo_cuda.log" 2>&1
+    timeout -s INT -k 10 120 python3 -m layerwise.cli demo --device cuda >"$OUT/demo_cuda.log" 2>&1
     echo "demo exit $?"; tail -n 8 "$OUT/demo_cuda.log"
     ;;
   suite)
-    timeout 560 python3 -m layerwise.benchmarks.suite --device cuda --size 8b --budget 500 \
+    timeout -s INT -k 10 560 python3 -m layerwise.benchmarks.suite --device cuda --size 8b --budget 500 \
       --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/suite.log" 2>&1
     echo "suite exit $?"; tail -n 40 "$OUT/suite.log"
     ;;
   moe)
-    timeout 240 python3 -m layerwise.benchmarks.moe_load --device cuda --out-dir "$OUT/results" >"$OUT/moe.log" 2>&1
+    timeout -s INT -k 10 180 python3 -m layerwise.benchmarks.moe_load --device cuda --loads 3 --out-dir "$OUT/results" \
+      >"$OUT/moe.log" 2>&1
     echo "moe exit $?"; tail -n 15 "$OUT/moe.log"
-    timeout 300 python3 -m layerwise.benchmarks.reload_latency --device cuda --size 8b --repeats 3 \
+    timeout -s INT -k 10 260 python3 -m layerwise.benchmarks.reload_latency --device cuda --size 8b --repeats 3 \
       --out-dir "$OUT/reload" --cache-dir /tmp/lw-bench >"$OUT/reload.log" 2>&1
     echo "reload exit $?"; tail -n 20 "$OUT/reload.log"
-    timeout 120 python3 -m layerwise.benchmarks.first_load_profile --device cuda --size 8b \
+    timeout -s INT -k 10 100 python3 -m layerwise.benchmarks.first_load_profile --device cuda --size 8b \
       --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/first_load.log" 2>&1
     echo "first-load profile exit $?"; tail -n 14 "$OUT/first_load.log"
     ;;
   tune)
-    timeout 540 python3 -m layerwise.benchmarks.gemm_tune --device cuda --size 8b --budget 420 --write-configs \
+    timeout -s INT -k 10 540 python3 -m layerwise.benchmarks.gemm_tune --device cuda --size 8b --budget 420 --write-configs \
       --out-dir "$OUT/results" >"$OUT/tune.log" 2>&1
     echo "tune exit $?"; tail -n 40 "$OUT/tune.log"
     mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/" 2>/dev/null

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from layerwise.api import ReloadReport, Weights, reload_weights
+from layerwise.quant.moe_base import capture_path
 
 
 class Engine:
@@ -83,14 +84,17 @@ class Engine:
         return self.model(self._ids, self._pos, self.kv_caches)[:, -1]
 
     def _capture(self) -> None:
+        # warm up kernels and allocator outside the graph, on the stream that then captures (a library's
+        # per-stream workspace, cuBLAS's, is then not allocated inside the graph), along the path the capture
+        # takes (MoE layers: every expert; a Triton kernel cannot be loaded while its stream captures)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels and allocator outside the graph
+        with torch.cuda.stream(stream), capture_path():
+            for _ in range(2):
                 self._decode_step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=stream):
             self._logits = self._decode_step()
         self.captures += 1
 

@@ -13,8 +13,9 @@ A method owns, for a ``FusedMoE`` layer (``layerwise/layers/fused_moe.py``):
 The eager forward loops over the experts that received tokens (transformers' and vLLM's reference
 ``fused_moe`` loop): gather their tokens, ``down(silu(gate) * up)``, scale by the routing weight,
 add into the output rows. That loop reads the chosen expert ids on the host, which a CUDA graph
-cannot capture. While a graph is being captured (the Engine's decode step) the method runs every
-expert instead (``apply_all_experts``): the same per-expert ``expert_linear`` calls on all T tokens,
+cannot capture. While a graph is being captured (the Engine's decode step), and within
+:func:`capture_path` (the Engine's warm-up before it captures), the method runs every expert instead
+(``apply_all_experts``): the same per-expert ``expert_linear`` calls on all T tokens,
 each expert's result masked to the tokens that chose it, so it needs no host sync and its temporaries
 are [T, 2I] and [T, H] activations (no weights gathered across experts; W8A16 on CPU dequantizes one
 expert at a time, as eager does). Its cost is E expert
@@ -25,6 +26,10 @@ T*k >= E; for long batches it computes E/k times the FLOPs, so it is the capture
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +37,25 @@ from torch import nn
 from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels import has_non_finite
 from layerwise.quant.parameters import ModelWeightParameter, WeightLoader
+
+_CAPTURE_PATH: ContextVar[bool] = ContextVar("layerwise_moe_capture_path", default=False)
+
+
+@contextlib.contextmanager
+def capture_path() -> Iterator[None]:
+    """Within the block, MoE forwards run eagerly the path they run under CUDA-graph capture
+    (:meth:`FusedMoEMethodBase.apply_all_experts`), on any device. A warm-up before a capture runs in it, so that
+    every kernel specialization the capture will launch (every expert on all T rows: other row counts, and so
+    other Triton specializations, than the chosen experts' rows of the eager loop) is compiled and loaded
+    beforehand: a Triton kernel launched for the first time while its stream captures fails to load its module
+    ("operation not permitted when stream is capturing").
+    """
+    token = _CAPTURE_PATH.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURE_PATH.reset(token)
+
 
 EXPERT_PARAMS = ("w13_weight", "w2_weight")
 
@@ -133,9 +157,10 @@ class FusedMoEMethodBase:
         Expert e: down(silu(gate(x)) * up(x)); the weighted result is cast to x.dtype and accumulated
         into the output expert by expert, in increasing expert id, as transformers does. Eager: only the
         experts that received tokens run, on their tokens (the expert ids are read on the host). While
-        the current CUDA stream is capturing a graph: :meth:`apply_all_experts` (no host sync).
+        the current CUDA stream is capturing a graph, and within :func:`capture_path`: :meth:`apply_all_experts`
+        (no host sync).
         """
-        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _CAPTURE_PATH.get() or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return self.apply_all_experts(layer, x, topk_weights, topk_ids)
         out = torch.zeros_like(x)
         mask = F.one_hot(topk_ids, layer.num_experts).permute(2, 1, 0)  # [E, k, T]

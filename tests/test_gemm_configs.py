@@ -150,7 +150,19 @@ def test_precompile_runs_every_candidate_side_by_side_on_cuda_only():
     calls.clear()
     gemm_tune.precompile(jobs, torch.device("cpu"), threads=2)  # the interpreter: one kernel at a time, no compile
     gemm_tune.precompile(jobs, CUDA, threads=1)
+    gemm_tune.precompile(jobs, CUDA, threads=2, deadline=gemm_tune.time.monotonic() - 1)  # past the slice's share
     assert calls == []
+
+
+def test_the_tuner_reports_after_every_slice(monkeypatch):
+    # main writes the JSON (and the configurations) from each report: a run cut off keeps its finished slices
+    monkeypatch.setattr(gemm_tune, "candidates", lambda kind, m, device, quick=False: [])  # the defaults only
+    reports = []
+    result = gemm_tune.tune("small", "cpu", ms=(1, 8), kinds=("w8a16",), progress=lambda r: reports.append(
+        (r["complete"], sorted({(row["m"], row["kind"]) for row in r["best"]}))
+    ))  # fmt: skip
+    assert reports == [(False, [(1, "w8a16")]), (False, [(1, "w8a16"), (8, "w8a16")])]
+    assert result["complete"] and len(result["best"]) == 2 * len(SMALL)
 
 
 def test_candidates_come_in_a_fixed_order_that_samples_the_whole_space():

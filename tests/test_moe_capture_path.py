@@ -265,3 +265,28 @@ def test_model_logits_per_tensor_w8a8(checkpoint, dense_forward):
     eager = logits["w8a8"]
     assert sqnr_db(eager, dense_w8a8) >= 25.0, arch
     assert sqnr_db(reference, dense_w8a8) >= sqnr_db(reference, eager) - 1.0, arch
+
+
+def test_capture_path_runs_the_all_experts_forward_eagerly(monkeypatch):
+    # the Engine warms up inside capture_path so that the capture launches nothing new: every expert on all rows,
+    # as under capture; outside the block the eager loop runs (only experts that received tokens)
+    from layerwise.quant.moe_base import capture_path
+
+    method = UnquantizedFusedMoEMethod()
+    experts = build_experts(method, torch.bfloat16)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(4)).bfloat16()
+    weights, ids = routing(3, torch.bfloat16, exclude=(5,))
+    ran = []
+    real = method.expert_linear
+    monkeypatch.setattr(
+        method, "expert_linear", lambda layer, p, e, x: ran.append((e, x.shape[0])) or real(layer, p, e, x)
+    )
+    with torch.no_grad():
+        with capture_path():
+            inside = experts(x, weights, ids)
+        assert sorted({e for e, _ in ran}) == list(range(E)) and {rows for _, rows in ran} == {3}
+        ran.clear()
+        outside = experts(x, weights, ids)
+    assert 5 not in {e for e, _ in ran}  # never chosen: the eager loop skips it
+    assert torch.equal(inside, method.apply_all_experts(experts, x, weights, ids))
+    assert torch.equal(outside, method.apply(experts, x, weights, ids))

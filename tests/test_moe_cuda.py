@@ -93,6 +93,7 @@ def test_captured_moe_holds_activations_not_gathered_experts(scheme):
     through the caching allocator; bounded at 1/8 of the gathered bytes (print the figure to tighten it)."""
     from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, FusedMoE
     from layerwise.quant.fp8_moe import moe_method_for
+    from layerwise.quant.moe_base import capture_path
 
     e, h, inter, t, k = 8, 1024, 2048, 8, 2
     method = moe_method_for(scheme, kernel="triton")
@@ -107,16 +108,18 @@ def test_captured_moe_holds_activations_not_gathered_experts(scheme):
     method.process_weights_after_loading(experts)
     x = torch.randn(t, h, generator=gen, device="cuda").to(torch.bfloat16)
     topk_weights, topk_ids = torch.topk(torch.softmax(torch.randn(t, e, generator=gen, device="cuda"), -1), k)
-    stream = torch.cuda.Stream()
+    with torch.no_grad():
+        eager = experts(x, topk_weights, topk_ids)
+    stream = torch.cuda.Stream()  # warmed up along the captured path, on the stream that captures (as the Engine)
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(stream):
-        eager = experts(x, topk_weights, topk_ids)  # warms up kernels, caches the W8A8 choice
+    with torch.no_grad(), torch.cuda.stream(stream), capture_path():
+        experts(x, topk_weights, topk_ids)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
+    with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
         captured = experts(x, topk_weights, topk_ids)
     graph.replay()
     torch.cuda.synchronize()

@@ -157,5 +157,6 @@ def test_a_cuda_update_defers_and_equals_a_fresh_load(ckpts):
     start_weight_update(model, is_checkpoint_format=True, atomic=True)
     with pytest.raises(ReloadError) as e:
         receive_weight_update(model, ZeroRefillEngine(nan, capacity=2048), request(nan).update_info)
-    assert e.value.key == NAN_KEY and e.value.non_finite_modules == [NAN_MODULE]
+    assert e.value.key == NAN_KEY and e.value.updated_modules == e.value.non_finite_modules == []
+    assert "staged, not written" in str(e.value)
     assert_same_tensors(model, expected)  # atomic: the NaN update changed nothing
