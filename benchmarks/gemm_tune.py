@@ -74,8 +74,9 @@ def projections(spec: dict) -> dict[str, tuple[int, int]]:
 
 def candidates(kind: str, m: int, device: torch.device, quick: bool = False) -> list[GemmTiles]:
     """The configurations tried for ``kind`` at ``m`` rows, in a fixed shuffled order: BLOCK_M the next power
-    of two of M (16 to 64); column tiles 16-128, K steps 128-512 (128 for the block kinds), 1-8 splits, 3-4
-    stages, 4 or 8 warps (--quick: a subset). CPU (interpreter): the interpreter's tile, unsplit and split in two."""
+    of two of M (16 to 64); column tiles 16-128 (and 256 for "w8a8", whose every column tile quantizes x again:
+    wider tiles quantize it fewer times), K steps 128-512 (128 for the W8A8 kinds), 1-8 splits, 3-4 stages, 4 or
+    8 warps (--quick: a subset). CPU (interpreter): the interpreter's tile, unsplit and split in two."""
     if device.type == "cpu":
         return [TILES_INTERPRET, TILES_INTERPRET._replace(split_k=2)]
     block_m = min(64, max(16, 1 << (m - 1).bit_length()))
@@ -83,6 +84,8 @@ def candidates(kind: str, m: int, device: torch.device, quick: bool = False) -> 
         ((16, 64), (1, 4), (4,), (4,)) if quick else ((16, 32, 64, 128), (1, 2, 4, 8), (3, 4), (4, 8))
     )
     block_ks = (128,) if kind != "w8a16" else (128, 256) if quick else (128, 256, 512)
+    if kind == "w8a8" and not quick:
+        block_ns += (256,)
     out = [
         GemmTiles(block_m, n, k, s, w, st)
         for n, k, s, st, w in itertools.product(block_ns, block_ks, splits, stages, warps)

@@ -171,6 +171,9 @@ def test_candidates_come_in_a_fixed_order_that_samples_the_whole_space():
     quarter = first[: len(first) // 4]  # what a budget cut after a quarter has tried
     assert {t.block_n for t in quarter} == {t.block_n for t in first} == {16, 32, 64, 128}
     assert {t.split_k for t in quarter} == {1, 2, 4, 8} and {t.block_k for t in quarter} == {128, 256, 512}
+    # x quantized inside the W8A8 GEMM: once per column tile, so wider ones too
+    assert {t.block_n for t in gemm_tune.candidates("w8a8", 8, CUDA)} == {16, 32, 64, 128, 256}
+    assert {t.block_n for t in gemm_tune.candidates("w8a8-block", 8, CUDA)} == {16, 32, 64, 128}
 
 
 def test_w8a8_is_stored_only_where_it_beat_scaled_mm():
