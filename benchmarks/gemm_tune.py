@@ -62,6 +62,8 @@ DEFAULT_M = (1, 8)  # one sequence, and the Engine's default max_batch_size (the
 TOLERANCE = 0.02  # of the float32 reference's largest |output|: bf16 outputs, split sums and FP8 tensor cores round
 TOP = 5  # fastest candidates kept per kind, shape and M
 COMPILE_THREADS = min(16, os.cpu_count() or 1)  # threads that compile a slice's candidates side by side
+# the references "w8a8" (x quantized inside the GEMM) must beat to be used: the quantization kernel + _scaled_mm
+SCALED_MM = ("act quant + scaled_mm per tensor", "act quant + scaled_mm per row")
 
 
 def projections(spec: dict) -> dict[str, tuple[int, int]]:
@@ -200,12 +202,8 @@ def _references(ops: dict, device: torch.device) -> dict[str, float]:
 
         calls["scaled_mm per tensor"] = cycling(per_tensor, len(tensor))
         calls["scaled_mm per row"] = cycling(per_row, len(channel))
-        calls["act quant + scaled_mm per tensor"] = cycling(
-            lambda i: per_tensor(i, *quantize_activation(x, "tensor")), len(tensor)
-        )
-        calls["act quant + scaled_mm per row"] = cycling(
-            lambda i: per_row(i, *quantize_activation(x, "token")), len(channel)
-        )
+        calls[SCALED_MM[0]] = cycling(lambda i: per_tensor(i, *quantize_activation(x, "tensor")), len(tensor))
+        calls[SCALED_MM[1]] = cycling(lambda i: per_row(i, *quantize_activation(x, "token")), len(channel))
     for granularity in ("token", "tensor", "group"):
         calls[f"act quant {granularity}"] = lambda g=granularity: quantize_activation(x, g)
     out = {}
@@ -317,8 +315,11 @@ def precompile(jobs: list, device: torch.device, threads: int = COMPILE_THREADS,
         with contextlib.suppress(Exception):
             call(tiles, 0)
 
-    with ThreadPoolExecutor(min(threads, len(jobs))) as pool:
+    pool = ThreadPoolExecutor(min(threads, len(jobs)))
+    try:
         list(pool.map(run, jobs))
+    finally:  # interrupted (SIGINT): drop the queued compiles, wait only for the running ones
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _tune_slice(kind, m, shapes, ops, device, quick, deadline, errors, threads) -> tuple[dict, dict, int]:
@@ -337,7 +338,11 @@ def _tune_slice(kind, m, shapes, ops, device, quick, deadline, errors, threads) 
     defaults = {name: launch_tiles(kind, m, n, k, device) for name, (n, k) in shapes.items()}
     todo = list(dict.fromkeys([*defaults.values(), *candidates(kind, m, device, quick)]))
     first = runs[next(iter(shapes))][1]  # the projections share the compiled kernels: one shape's calls compile all
-    precompile([(call, tiles) for tiles in todo for call, _ in first], device, threads, deadline)
+    # compiles get half the slice's time at most: the timings that follow need the rest (past the deadline a
+    # candidate is not timed, compiled or not)
+    now = time.monotonic()
+    compile_deadline = None if deadline is None else now + max(0.0, deadline - now) / 2
+    precompile([(call, tiles) for tiles in todo for call, _ in first], device, threads, compile_deadline)
     timed: dict = {name: [] for name in shapes}
     skipped = 0
     for tiles in todo:
@@ -357,24 +362,24 @@ def _tune_slice(kind, m, shapes, ops, device, quick, deadline, errors, threads) 
     return timed, defaults, skipped
 
 
-# what "w8a8" (x quantized inside the GEMM) replaces where it is faster: the quantization kernel and _scaled_mm
-SCALED_MM = ("act quant + scaled_mm per tensor", "act quant + scaled_mm per row")
-
-
 def best_configs(result: dict) -> dict:
-    """kind -> "N,K" -> {M: tiles fields} of a :func:`tune` result (the layout ``write_configs`` takes).
+    """kind -> "N,K" -> {M: tiles fields or None} of a :func:`tune` result (the layout ``write_configs`` takes).
 
-    Kind "w8a8" is kept only where its best beat both ``torch._scaled_mm`` references (per tensor, per row), each
-    timed with the activation quantization it needs: elsewhere the forward keeps calling ``_scaled_mm``.
+    Kind "w8a8" keeps its tiles only where its best beat both ``torch._scaled_mm`` references (per tensor, per
+    row), each timed with the activation quantization it needs; elsewhere its row is None, so that the forward
+    keeps calling ``_scaled_mm`` at that M instead of taking the tiles of a larger M (``gemm_configs.lookup``).
+    Per-tensor weights run the tiles timed on per-channel weights with per-token x (the same kernel; a per-tensor
+    x scale adds a max over the program's rows); they were checked in both layouts.
     """
     refs = {(r["shape"], r["m"]): r["us"] for r in result["references"]}
     out: dict = {}
     for row in result["best"]:
+        tiles = row["tiles"]
         if row["kind"] == "w8a8":
             scaled_mm = [refs[(row["shape"], row["m"])].get(name) for name in SCALED_MM]
             if not all(isinstance(us, float) and row["us"] < us for us in scaled_mm):
-                continue
-        out.setdefault(row["kind"], {}).setdefault(f"{row['n']},{row['k']}", {})[row["m"]] = row["tiles"]
+                tiles = None
+        out.setdefault(row["kind"], {}).setdefault(f"{row['n']},{row['k']}", {})[row["m"]] = tiles
     return out
 
 

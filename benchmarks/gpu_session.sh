@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh moe      # MoE load + the 8b reload alone (quicker re-check),
 #                                           # and a cProfile of the first 8b load in a process  (~6 min)
 #   bash benchmarks/gpu_session.sh tune     # GEMM tiles for the 8b projections at M = 1 and 8 (decode);
-#                                           # writes kernels/configs/<gpu>.json into $OUT/configs  (~5 min)
+#                                           # writes kernels/configs/<gpu>.json into $OUT/configs  (~8 min)
 #
 # Every step is cut off by SIGINT (timeout -s INT), so pytest still prints its summary; each part's limits add
 # up to less than the device's 600 s per call. The tuner writes its JSON and configurations after every slice.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from layerwise.optional import import_optional
@@ -83,8 +84,11 @@ def require(modules: list[str], purpose: str = "layerwise bench") -> None:
 
 
 def write_json(result: dict, out_dir: Path, name: str) -> Path:
-    """Write ``result`` to ``out_dir/name.json`` (creating ``out_dir``); returns the file's path."""
+    """Write ``result`` to ``out_dir/name.json`` (creating ``out_dir``), through a temporary file renamed over it
+    (a run interrupted while writing keeps the previous file whole); returns the file's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, path)
     return path

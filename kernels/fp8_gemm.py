@@ -15,7 +15,7 @@ FP8 weight bytes and their float32 scales inside the K loop:
   result is multiplied by the token-group scales (rows) and the block scales (columns) before it joins
   the accumulator: acc += dot(xq, wq^T) * xs[:, k] * ws[n // 128, k]. Per-channel / per-tensor weights
   with per-token / per-tensor x: acc * xs[:, None] * ws[None, :] once at the end (``torch._scaled_mm``'s
-  arithmetic; ``quant.fp8`` launches this instead only where a tuned configuration beat it).
+  arithmetic).
 * :func:`dynamic_w8a8_gemm`: the same GEMM of bf16/fp16 x, quantized as ``kernels.fp8_act`` quantizes it but
   inside the GEMM for decode batches (each program quantizes the x tiles it reads; per token / per tensor
   after an amax pass over K): one launch per linear instead of two or three, the same bytes and output. Each
@@ -99,8 +99,8 @@ W8A8_TILES_CUDA = (
 TILES_INTERPRET = GemmTiles(16, 32, 128, 1, 1, 1)  # the interpreter pays per program: few, mid-sized tiles
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 # Rows of x up to which dynamic_w8a8_gemm quantizes x inside the GEMM (decode: a launch less per linear); beyond,
-# each of the N / BLOCK_N column tiles would re-read and re-quantize bf16 x, so it quantizes once first. 64: the
-# bound of the W8A16 GEMM (quant.fp8), a first guess to be set from prefill timings on the GPU.
+# it quantizes once first (every column tile would re-quantize more rows). A first guess, unmeasured: the tuner
+# decides whether the kernel runs at all, at the decode M it tunes.
 DYNAMIC_QUANT_MAX_M = 64
 
 

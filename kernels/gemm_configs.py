@@ -14,13 +14,15 @@ File ``configs/<device slug>.json`` (slug: :func:`device_slug` of ``torch.cuda.g
 
 Under each kind and "N,K", the key is the largest M a configuration was tuned for (the rows are
 :class:`kernels.fp8_gemm.GemmTiles` fields in order); M takes the first key >= M, and M beyond the
-largest key takes the heuristic table.
+largest key takes the heuristic table. A row may be ``null``: tuned, and the Triton GEMM lost there (kind
+"w8a8": ``torch._scaled_mm`` runs), so that an M it lost at never takes the tiles of a larger M it won at.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from pathlib import Path
 
@@ -28,8 +30,9 @@ import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 FIELDS = 6  # block_m, block_n, block_k, split_k, num_warps, num_stages (kernels.fp8_gemm.GemmTiles)
-# W8A16 per tensor / channel, W8A16 per block, W8A8 per block, W8A8 per tensor / channel. "w8a8" is stored only
-# where it beat torch._scaled_mm, which quant.fp8 runs otherwise
+# W8A16 per tensor / channel, W8A16 per block, W8A8 per block, W8A8 per tensor / channel (x quantized inside the
+# GEMM: kernels.fp8_gemm.dynamic_w8a8_gemm), the last with null rows where the activation quantization kernel and
+# torch._scaled_mm, which quant.fp8 runs otherwise, were faster
 KINDS = ("w8a16", "w8a16-block", "w8a8-block", "w8a8")
 
 
@@ -46,7 +49,7 @@ def config_path(device_name: str, directory: Path | None = None) -> Path:
 
 @functools.cache
 def _load(path: Path) -> dict:
-    """kind -> "N,K" -> sorted [(max M, tiles fields)], or {} when ``path`` does not exist.
+    """kind -> "N,K" -> sorted [(max M, tiles fields or None)], or {} when ``path`` does not exist.
 
     Raises:
         ValueError: the file is not a configuration file of the documented layout (named in the message).
@@ -56,14 +59,15 @@ def _load(path: Path) -> dict:
     try:
         configs = json.loads(path.read_text())["configs"]
         table = {
-            kind: {shape: sorted((int(m), tuple(int(v) for v in fields)) for m, fields in rows.items())
+            kind: {shape: sorted((int(m), None if fields is None else tuple(int(v) for v in fields))
+                                 for m, fields in rows.items())
                    for shape, rows in shapes.items()}
             for kind, shapes in configs.items()
         }  # fmt: skip
         for kind, shapes in table.items():
             for shape, rows in shapes.items():
                 for m, fields in rows:
-                    if len(fields) != FIELDS or min(fields) < 1:
+                    if fields is not None and (len(fields) != FIELDS or min(fields) < 1):
                         raise ValueError(f"{kind} {shape} M={m}: {list(fields)} is not {FIELDS} positive integers")
         return table
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -72,7 +76,8 @@ def _load(path: Path) -> dict:
 
 def lookup(path: Path, kind: str, n: int, k: int, m: int) -> tuple[int, ...] | None:
     """The configuration in file ``path`` for an [m, k] x [n, k]^T GEMM of ``kind``: the fields of
-    :class:`kernels.fp8_gemm.GemmTiles`, or None (no file, no entry for the shape, M beyond the tuned range)."""
+    :class:`kernels.fp8_gemm.GemmTiles`, or None (no file, no entry for the shape, M beyond the tuned range, or
+    the first tuned M at or above M is a null row: the Triton GEMM lost there)."""
     rows = _load(path).get(kind, {}).get(f"{n},{k}", ())
     return next((fields for max_m, fields in rows if m <= max_m), None)
 
@@ -92,11 +97,18 @@ def _device_name(index: int | None) -> str:
 
 
 def write_configs(path: Path, device_name: str, best: dict, provenance: dict) -> None:
-    """Write (replace) the configuration file ``path``: ``best`` is kind -> "N,K" -> {max M: fields}."""
-    configs = {kind: {shape: {str(m): list(f) for m, f in sorted(rows.items())} for shape, rows in shapes.items()}
-               for kind, shapes in best.items()}  # fmt: skip
+    """Write (replace) the configuration file ``path``: ``best`` is kind -> "N,K" -> {max M: fields or None}.
+    Atomically (a temporary file renamed over it): every GEMM launch on the GPU reads it, and the tuner rewrites
+    it after each slice, so an interrupted write must not leave a truncated file."""
+    configs = {
+        kind: {shape: {str(m): None if f is None else list(f) for m, f in sorted(rows.items())}
+               for shape, rows in shapes.items()}
+        for kind, shapes in best.items()
+    }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device_name": device_name, **provenance, "configs": configs}, indent=1) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"device_name": device_name, **provenance, "configs": configs}, indent=1) + "\n")
+    os.replace(tmp, path)
     clear_caches()
 
 

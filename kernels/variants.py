@@ -162,7 +162,7 @@ def activation_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
 
 
 def gemm_variants() -> Iterator[KernelVariant]:
-    """The FP8 GEMM specializations the CUDA forward launches (``kernels.fp8_gemm``), for AOT compiles.
+    """The FP8 GEMM specializations the CUDA forward and the tuner launch (``kernels.fp8_gemm``), for AOT compiles.
 
     A GEMM compile costs about a second of CPU, so the list is chosen, not a full product (CPU CI stays
     under a minute): the decode tile (first table row) in every scale layout, with a bias, 16-aligned

@@ -286,8 +286,8 @@ class Fp8LinearMethod(QuantMethod):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         bias = bias.to(x.dtype) if bias is not None else None
         if self.granularity == "block" and self.mode != "w8a16" and fp8_native(x.device):
-            # quantized first, not inside the GEMM (dynamic_w8a8_gemm): each of its N / BLOCK_N column tiles would
-            # quantize x again, ~40 ALU ops an element, which at decode tiles outweighs the launch it saves
+            # quantized first, not inside the GEMM (dynamic_w8a8_gemm: each column tile would quantize x again,
+            # see kernels.fp8_gemm)
             xq, x_scale = quantize_activation(x2, "group")
             y = w8a8_gemm(xq, x_scale, weight, scale, x.dtype, bias)
         elif x2.shape[0] <= W8A16_GEMM_MAX_M and not (self.granularity == "block" and self.mode == "w8a8"):

@@ -9,7 +9,7 @@ import torch
 from layerwise.benchmarks import gemm_tune
 from layerwise.benchmarks.checkpoints import shape
 from layerwise.kernels import gemm_configs
-from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, gemm_tiles, launch_tiles
+from layerwise.kernels.fp8_gemm import TILES_INTERPRET, GemmTiles, gemm_tiles, launch_tiles, tuned_tiles
 from layerwise.kernels.gemm_configs import KINDS, config_path, device_slug, write_configs
 
 GPU = "NVIDIA Test GPU 80GB HBM3"
@@ -154,6 +154,18 @@ def test_precompile_runs_every_candidate_side_by_side_on_cuda_only():
     assert calls == []
 
 
+def test_compiles_get_half_of_the_slice_at_most(monkeypatch):
+    # past its deadline a slice times no candidate, compiled or not: the compiles stop halfway through its share
+    seen = []
+    monkeypatch.setattr(gemm_tune.time, "monotonic", lambda: 100.0)
+    monkeypatch.setattr(gemm_tune, "precompile", lambda jobs, device, threads, deadline: seen.append(deadline))
+    monkeypatch.setattr(gemm_tune, "_references", lambda ops, device: {"bf16 F.linear": 1.0})
+    monkeypatch.setattr(gemm_tune, "graph_seconds", lambda fn, device: fn() or 1e-6)
+    monkeypatch.setattr(gemm_tune, "candidates", lambda kind, m, device, quick=False: [])
+    gemm_tune.tune("small", "cpu", ms=(8,), kinds=("w8a16", "w8a16-block"), budget=40)
+    assert seen == [110.0, 120.0]  # slices end at 120 and 140; each starts at 100 on the frozen clock
+
+
 def test_the_tuner_reports_after_every_slice(monkeypatch):
     # main writes the JSON (and the configurations) from each report: a run cut off keeps its finished slices
     monkeypatch.setattr(gemm_tune, "candidates", lambda kind, m, device, quick=False: [])  # the defaults only
@@ -185,11 +197,27 @@ def test_w8a8_is_stored_only_where_it_beat_scaled_mm():
     # the W8A8 GEMM quantizes x inside: it is judged against _scaled_mm with the activation quantization it needs
     tensor, row = "act quant + scaled_mm per tensor", "act quant + scaled_mm per row"
     both = {tensor: 5.0, row: 6.0, "scaled_mm per tensor": 3.0, "scaled_mm per row": 3.5}
-    assert set(gemm_tune.best_configs(result(4.0, both))) == {"w8a16", "w8a8"}
-    assert set(gemm_tune.best_configs(result(5.5, both))) == {"w8a16"}  # slower than the per-tensor one
-    assert set(gemm_tune.best_configs(result(4.0, {row: 6.0}))) == {"w8a16"}  # none per tensor
+    tiles = [16, 64, 128, 2, 4, 3]
+
+    def w8a8_row(configs):
+        return configs["w8a8"]["64,256"][8]
+
+    assert w8a8_row(gemm_tune.best_configs(result(4.0, both))) == tiles
+    assert w8a8_row(gemm_tune.best_configs(result(5.5, both))) is None  # slower than the per-tensor one
+    assert w8a8_row(gemm_tune.best_configs(result(4.0, {row: 6.0}))) is None  # none per tensor
     no_fp8 = {tensor: "RuntimeError: ...", row: 6.0}
-    assert set(gemm_tune.best_configs(result(4.0, no_fp8))) == {"w8a16"}
+    assert w8a8_row(gemm_tune.best_configs(result(4.0, no_fp8))) is None
+
+
+def test_an_m_where_w8a8_lost_does_not_take_the_tiles_of_a_larger_m_where_it_won(fake_gpu):
+    # the tuner stores a null row where act quant + _scaled_mm won (M = 1 here) and tiles where the Triton GEMM
+    # won (M = 8): M = 1 must find the null (the forward then calls _scaled_mm), not the next key's tiles
+    win = [16, 128, 128, 4, 4, 3]
+    write_configs(fake_gpu, GPU, {"w8a8": {"4096,4096": {1: None, 8: win}}}, {})
+    assert json.loads(fake_gpu.read_text())["configs"]["w8a8"]["4096,4096"] == {"1": None, "8": win}
+    assert tuned_tiles("w8a8", 1, 4096, 4096, CUDA) is None
+    assert tuned_tiles("w8a8", 2, 4096, 4096, CUDA) == tuned_tiles("w8a8", 8, 4096, 4096, CUDA) == GemmTiles(*win)
+    assert not list(fake_gpu.parent.glob("*.tmp"))  # written through a temporary file, renamed over it
 
 
 def test_the_check_rejects_elements_left_unwritten():
