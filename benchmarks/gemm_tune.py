@@ -57,6 +57,7 @@ from layerwise.kernels.fp8_gemm import (
     w8a16_gemm,
 )
 from layerwise.kernels.gemm_configs import KINDS, config_path, write_configs
+from layerwise.kernels.reference import ACT_GRANULARITY
 
 DEFAULT_M = (1, 8)  # one sequence, and the Engine's default max_batch_size (the captured decode step's M)
 TOLERANCE = 0.02  # of the float32 reference's largest |output|: bf16 outputs, split sums and FP8 tensor cores round
@@ -138,9 +139,8 @@ def _gemm(kind: str, ops: dict, layout: str | None = None):
         weights = ops["channel" if kind == "w8a16" else "block"]
         call = lambda tiles, i: w8a16_gemm(x, *weights[i % len(weights)], tiles=tiles)
         return call, x.float() @ reference.dequantize(*weights[0], torch.float32).t()
-    weight_layout, act = {"w8a8-block": ("block", "group"), "w8a8": ("channel", "token")}[kind]
-    if layout == "tensor":
-        weight_layout, act = "tensor", "tensor"
+    weight_layout = "block" if kind == "w8a8-block" else layout or "channel"
+    act = ACT_GRANULARITY[weight_layout]
     weights, (xq, xs) = ops[weight_layout], ops[f"x_{act}"]
     if kind == "w8a8":  # as the forward calls them: x quantized inside the GEMM (per block: quantized first)
         call = lambda tiles, i: dynamic_w8a8_gemm(x, act, *weights[i % len(weights)], tiles=tiles)

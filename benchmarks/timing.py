@@ -46,7 +46,7 @@ def graph_seconds(fn: Callable[[], object], device: torch.device, calls: int = 2
         fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the warmed-up stream, as the Engine captures
         for _ in range(calls):
             fn()
     graph.replay()

@@ -128,6 +128,12 @@ def launch_tiles(kind: str, m: int, n: int, k: int, device: torch.device) -> Gem
     return tuned or gemm_tiles(m, device, "w8a8" if kind.startswith("w8a8") else "w8a16")
 
 
+def gemm_kind(gemm: str, granularity: str) -> str:
+    """The ``kernels.gemm_configs`` kind of GEMM ``gemm`` ("w8a16" or "w8a8") over weights of scale layout
+    ``granularity``: per block its own kind ("w8a16-block", "w8a8-block"), per tensor and per channel one."""
+    return f"{gemm}-block" if granularity == "block" else gemm
+
+
 def k_span(k: int, tiles: GemmTiles) -> tuple[int, int]:
     """(K columns per split, number of splits): the K blocks of ``tiles.block_k`` dealt in equal runs to
     at most ``tiles.split_k`` splits; fewer splits where K has fewer blocks (none is empty)."""
@@ -451,8 +457,7 @@ def w8a16_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    kind = "w8a16-block" if granularity == "block" else "w8a16"
-    tiles = tiles or launch_tiles(kind, m, n, k, x.device)
+    tiles = tiles or launch_tiles(gemm_kind("w8a16", granularity), m, n, k, x.device)
     if granularity == "block":
         tiles = _fit_block(tiles)
     scale = scale.to(torch.float32).contiguous()
@@ -515,6 +520,7 @@ def w8a8_gemm(
         if x_scale.numel() != 1 and tuple(x_scale.shape) != (m, 1):
             raise TypeError(f"w8a8_gemm: x_scale must be [{m}, 1] or one element, got {tuple(x_scale.shape)}")
     x_operands = (xq.view(torch.uint8), x_scale.to(torch.float32).contiguous())
+    tiles = tiles or launch_tiles(gemm_kind("w8a8", granularity), m, weight.shape[0], k, xq.device)
     return _w8a8(x_operands, x_cols, False, weight, weight_scale, granularity, out_dtype, bias, tiles)
 
 
@@ -557,7 +563,7 @@ def dynamic_w8a8_gemm(
         raise ValueError(
             f"dynamic_w8a8_gemm: activations per {act_granularity} do not go with per-{granularity} weights"
         )
-    tiles = tiles or launch_tiles("w8a8-block" if granularity == "block" else "w8a8", m, n, k, x.device)
+    tiles = tiles or launch_tiles(gemm_kind("w8a8", granularity), m, n, k, x.device)
     if m > DYNAMIC_QUANT_MAX_M or (act_granularity == "tensor" and m > tiles.block_m):
         xq, x_scale = quantize_activation(x, act_granularity)
         return w8a8_gemm(xq, x_scale, weight, weight_scale, x.dtype, bias, tiles)
@@ -566,7 +572,8 @@ def dynamic_w8a8_gemm(
 
 
 def _w8a8(x_operands, x_cols, x_quant, weight, weight_scale, granularity, out_dtype, bias, tiles) -> torch.Tensor:
-    """Launch ``_w8a8_gemm_kernel``: ``x_operands`` (xq bytes, x scales) or, with ``x_quant``, (x, x)."""
+    """Launch ``_w8a8_gemm_kernel`` with ``tiles``: ``x_operands`` (xq bytes, x scales) or, with ``x_quant``,
+    (x, x)."""
     x = x_operands[0]
     (m, k), n = x.shape, weight.shape[0]
     if out_dtype not in (torch.bfloat16, torch.float16):
@@ -584,7 +591,6 @@ def _w8a8(x_operands, x_cols, x_quant, weight, weight_scale, granularity, out_dt
     out_bits = as_kernel_input(out)[0]
     if x_quant:
         x_operands = (as_kernel_input(x)[0],) * 2
-    tiles = tiles or launch_tiles("w8a8-block" if granularity == "block" else "w8a8", m, n, k, x.device)
     if granularity == "block":
         tiles = _fit_block(tiles)
     _run(
@@ -602,6 +608,7 @@ __all__ = [
     "W8A8_TILES_CUDA",
     "GemmTiles",
     "dynamic_w8a8_gemm",
+    "gemm_kind",
     "gemm_tiles",
     "k_span",
     "launch_tiles",

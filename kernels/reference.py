@@ -197,6 +197,12 @@ def scale_from_amax(amax_value: torch.Tensor, check: bool = True) -> torch.Tenso
     return torch.where(amax_value > 0, scale, torch.ones_like(scale))
 
 
+# The activation granularity the W8A8 forward pairs with each weight scale layout (quant.fp8): one scale over x
+# with one over the weight, one per token with one per output channel (torch._scaled_mm row-wise), one per token
+# group of 128 with one per 128 x 128 block (DeepSeek-V3)
+ACT_GRANULARITY = {"tensor": "tensor", "channel": "token", "block": "group"}
+
+
 def activation_scale(x: torch.Tensor, granularity: str) -> torch.Tensor:
     """Dynamic e4m3 scale(s) of activations x [M, K]: max(amax / 448, float32 tiny) per group.
 

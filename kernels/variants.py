@@ -35,7 +35,7 @@ from layerwise.kernels.fp8_gemm import (
     dot_dtype,
 )
 from layerwise.kernels.fp8_tiles import SCALE_MODES, _amax_kernel, _dequantize_kernel, _quantize_kernel
-from layerwise.kernels.reference import BLOCK_SIZE
+from layerwise.kernels.reference import ACT_GRANULARITY, BLOCK_SIZE
 from layerwise.kernels.triton_common import TILE_CUDA
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -247,7 +247,7 @@ def gemm_variants() -> Iterator[KernelVariant]:
             types = dict(sizes, xq_ptr=ptr if dynamic else "*u8", x_scale_ptr=ptr if dynamic else "*fp32")
             types.update(w_ptr="*u8", w_scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr, partial_ptr="*fp32")
             types.update(x_scale_cols=width, w_scale_cols=width)
-            weights = {"group": "block", "token": "channel", "tensor": "tensor"}.get(granularity, granularity)
+            weights = {a: w for w, a in ACT_GRANULARITY.items()}[granularity] if dynamic else granularity
             x_const = {"x_scale_cols": 1} if dynamic and granularity == "token" else {}  # Triton's 1 specialization
             const = dict(
                 OUT_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[weights], FP8_NATIVE=True,

@@ -64,7 +64,7 @@ from layerwise.kernels import (
     pieces_fit,
     scale_from_amax,
 )
-from layerwise.kernels.reference import activation_scale, quantize
+from layerwise.kernels.reference import ACT_GRANULARITY, activation_scale, quantize
 from layerwise.quant.base import QuantMethod, check_finite
 
 logger = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ class Fp8LinearMethod(QuantMethod):
         if self.granularity == "block" and self.mode != "w8a16" and fp8_native(x.device):
             # quantized first, not inside the GEMM (dynamic_w8a8_gemm: each column tile would quantize x again,
             # see kernels.fp8_gemm)
-            xq, x_scale = quantize_activation(x2, "group")
+            xq, x_scale = quantize_activation(x2, ACT_GRANULARITY["block"])
             y = w8a8_gemm(xq, x_scale, weight, scale, x.dtype, bias)
         elif x2.shape[0] <= W8A16_GEMM_MAX_M and not (self.granularity == "block" and self.mode == "w8a8"):
             y = w8a16_gemm(x2, weight, scale, bias)
@@ -313,7 +313,7 @@ class Fp8LinearMethod(QuantMethod):
                 )
             return F.linear(x, fp8_dequantize(weight, scale, x.dtype, self.kernel), bias)
         x2 = x.reshape(-1, x.shape[-1])
-        act_granularity = "token" if self.granularity == "channel" else "tensor"
+        act_granularity = ACT_GRANULARITY[self.granularity]
         if fused_forward(self.kernel, x):  # one Triton launch (two per tensor) instead of ~10 torch kernels
             from layerwise.kernels.fp8_act import quantize_activation  # needs triton: imported on CUDA only
             from layerwise.kernels.fp8_gemm import dynamic_w8a8_gemm, tuned_tiles

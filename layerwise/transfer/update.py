@@ -142,7 +142,7 @@ class WeightUpdate:
         self._check_open()
         batch = list(weights)
         try:
-            with self._on_device():
+            with on_device(self.device):
                 if self.is_checkpoint_format:
                     for name, tensor in batch:
                         self._load_checkpoint_tensor(name, tensor)
@@ -224,7 +224,7 @@ class WeightUpdate:
         peak = 0
         try:
             if self.is_checkpoint_format:
-                with self._on_device():
+                with on_device(self.device):
                     session = finalize_layerwise_reload(self.model)
                 self.updated, peak = list(session.processed), session.peak_buffered_bytes
             else:
@@ -251,7 +251,7 @@ class WeightUpdate:
         if self.closed:
             return []
         if self.is_checkpoint_format:
-            with self._on_device():
+            with on_device(self.device):
                 self.updated = abort_layerwise_reload(self.model)
         self._staged = {}
         self._close()
@@ -277,10 +277,6 @@ class WeightUpdate:
         # a LayerwiseError (a NaN found at the end of a batch, Limitations 12, among them), or any other exception
         # of the trainer's stream or of torch: name what was overwritten, and what holds NaN or Inf
         raise ReloadError.wrap(e, updated, action="weight update", non_finite_modules=non_finite) from e
-
-    def _on_device(self):
-        """The model's CUDA device made current (Triton launches on the current device); nothing otherwise."""
-        return on_device(self.device)
 
     def _check_open(self) -> None:
         if self.closed:
