@@ -50,46 +50,53 @@ def test_the_matrix_covers_every_activation_kernel():
         assert f"act_quant_token[bfloat16,{tile_k},i32]" in names
 
 
+SCALE_LAYOUTS = ("tensor", "channel", "block")
+
+
 def test_the_matrix_covers_every_gemm():
     names = {v.name for v in GEMM_VARIANTS}
     assert len(names) == len(GEMM_VARIANTS)
-    for layout in ("tensor", "channel", "block"):  # the decode tile, each epilogue, both e4m3 decodes
+    for layout in SCALE_LAYOUTS:  # the decode tile, each epilogue, both e4m3 decodes
         for decode in ("int", "native"):
             assert (
                 f"w8a16_gemm[bfloat16,{layout},16x16x{128 if layout == 'block' else 256},i32,bias,{decode},aligned]"
                 in names
             )
-    assert "w8a16_gemm[bfloat16,channel,16x16x256,i32,bias,native]" in names  # unaligned
-    assert "w8a16_gemm[bfloat16,channel,16x16x256,i64,nobias,native,aligned]" in names
-    assert "w8a16_gemm[float16,channel,16x16x256,i32,nobias,native,aligned]" in names
-    assert "w8a8_gemm[bfloat16,block,16x16x128,i32,bias,aligned]" in names
-    assert "w8a8_gemm[bfloat16,block,16x16x128,i32,bias]" in names
-    assert "w8a8_gemm[bfloat16,block,16x16x128,i64,nobias,aligned]" in names
-    assert "w8a8_gemm[float16,block,16x16x128,i32,nobias,aligned]" in names
-    # split K: the partials' store in both kernels (and both W8A16 decodes), and every reduction epilogue
-    assert "w8a16_gemm[bfloat16,channel,16x16x256,i32,nobias,split,int,aligned]" in names
-    assert "w8a16_gemm[bfloat16,block,16x16x128,i32,nobias,split,native,aligned]" in names
-    assert "w8a8_gemm[bfloat16,block,16x16x128,i32,nobias,split,aligned]" in names
-    # W8A8 with per-channel / per-tensor weights (scales once at the end), unsplit and split
-    assert "w8a8_gemm[bfloat16,channel,16x16x128,i32,bias,aligned]" in names
-    assert "w8a8_gemm[bfloat16,tensor,16x16x128,i32,nobias,aligned]" in names
-    assert "w8a8_gemm[bfloat16,channel,16x16x128,i32,nobias,split,aligned]" in names
-    for dtype in ("bfloat16", "float16"):
-        for layout in ("tensor", "channel", "block"):
-            assert f"split_k_reduce[{dtype},{layout}]" in names
-            assert f"split_k_reduce[{dtype},{layout},m1]" in names  # M == 1 arrives as the constant 1
-    assert "w8a16_gemm[bfloat16,channel,16x16x256,m1,bias,split,native,aligned]" in names
-    assert "w8a16_gemm[bfloat16,channel,16x16x256,m1,bias,split,int,aligned]" in names
-    assert "w8a8_gemm[bfloat16,block,16x16x128,m1,bias,split,aligned]" in names
-    assert "w8a8_gemm[bfloat16,tensor,16x16x128,m1,nobias,aligned]" in names
-    # x quantized inside the W8A8 GEMM: each activation granularity (per token: Triton's constant 1 stride)
-    for act in ("group", "token"):
-        assert f"dynamic_w8a8_gemm[bfloat16,{act},16x16x128,i32,bias,aligned]" in names
-    assert "dynamic_w8a8_gemm[bfloat16,tensor,16x16x128,i32,nobias,aligned]" in names
-    assert "dynamic_w8a8_gemm[float16,group,16x16x128,i32,nobias,aligned]" in names
-    assert "dynamic_w8a8_gemm[bfloat16,token,16x16x128,i32,nobias,split,aligned]" in names
-    assert "dynamic_w8a8_gemm[bfloat16,group,16x16x128,m1,nobias,split,aligned]" in names
-    assert "dynamic_w8a8_gemm[bfloat16,tensor,16x16x128,m1,bias]" in names
+    expected = {
+        "w8a16_gemm[bfloat16,channel,16x16x256,i32,bias,native]",  # unaligned
+        "w8a16_gemm[bfloat16,channel,16x16x256,i64,nobias,native,aligned]",
+        "w8a16_gemm[float16,channel,16x16x256,i32,nobias,native,aligned]",
+        "w8a8_gemm[bfloat16,block,16x16x128,i32,bias,aligned]",
+        "w8a8_gemm[bfloat16,block,16x16x128,i32,bias]",
+        "w8a8_gemm[bfloat16,block,16x16x128,i64,nobias,aligned]",
+        "w8a8_gemm[float16,block,16x16x128,i32,nobias,aligned]",
+        # split K: the partials' store in both kernels (and both W8A16 decodes)
+        "w8a16_gemm[bfloat16,channel,16x16x256,i32,nobias,split,int,aligned]",
+        "w8a16_gemm[bfloat16,block,16x16x128,i32,nobias,split,native,aligned]",
+        "w8a8_gemm[bfloat16,block,16x16x128,i32,nobias,split,aligned]",
+        # W8A8 with per-channel / per-tensor weights (scales once at the end), unsplit and split
+        "w8a8_gemm[bfloat16,channel,16x16x128,i32,bias,aligned]",
+        "w8a8_gemm[bfloat16,tensor,16x16x128,i32,nobias,aligned]",
+        "w8a8_gemm[bfloat16,channel,16x16x128,i32,nobias,split,aligned]",
+        # M == 1 arrives as the constant 1
+        "w8a16_gemm[bfloat16,channel,16x16x256,m1,bias,split,native,aligned]",
+        "w8a16_gemm[bfloat16,channel,16x16x256,m1,bias,split,int,aligned]",
+        "w8a8_gemm[bfloat16,block,16x16x128,m1,bias,split,aligned]",
+        "w8a8_gemm[bfloat16,tensor,16x16x128,m1,nobias,aligned]",
+        # x quantized inside the W8A8 GEMM: each activation granularity (per token: Triton's constant 1 stride)
+        "dynamic_w8a8_gemm[bfloat16,group,16x16x128,i32,bias,aligned]",
+        "dynamic_w8a8_gemm[bfloat16,token,16x16x128,i32,bias,aligned]",
+        "dynamic_w8a8_gemm[bfloat16,tensor,16x16x128,i32,nobias,aligned]",
+        "dynamic_w8a8_gemm[float16,group,16x16x128,i32,nobias,aligned]",
+        "dynamic_w8a8_gemm[bfloat16,token,16x16x128,i32,nobias,split,aligned]",
+        "dynamic_w8a8_gemm[bfloat16,group,16x16x128,m1,nobias,split,aligned]",
+        "dynamic_w8a8_gemm[bfloat16,tensor,16x16x128,m1,bias]",
+    }
+    # every split-K reduction epilogue, and with M == 1
+    expected |= {
+        f"split_k_reduce[{d},{g}{m1}]" for d in ("bfloat16", "float16") for g in SCALE_LAYOUTS for m1 in ("", ",m1")
+    }
+    assert expected <= names, sorted(expected - names)
     for kind, table in (("w8a16_gemm", W8A16_TILES_CUDA), ("w8a8_gemm", W8A8_TILES_CUDA)):
         for _, (block_m, *_) in table:  # every tile row of both tables is built
             assert any(n.startswith(f"{kind}[bfloat16,") and f",{block_m}x" in n for n in names), (kind, block_m)
