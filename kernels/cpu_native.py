@@ -3,10 +3,9 @@
 Bit-exact with :mod:`layerwise.kernels.reference` (tested over every bfloat16 bit pattern), and what the
 ``"torch"`` kernel runs on CPU for contiguous bfloat16 and float32 tensors when the extension is built.
 torch's CPU cast to float8 is a scalar loop and the reference makes four passes (widen, divide, clamp,
-cast): on an 8192 x 4096 BF16 weight here (AMD EPYC, 2 threads) the reference quantizes in 19-27 ms and
-its per-channel amax takes 8.7 ms; the native kernels take 5.1-5.8 ms (the exact conversion), 2.3 ms (the
-table lookup a scale from the weight's own amax takes, :func:`table_path`) and 1.4-2.2 ms, against a
-3.7-4.0 ms ``copy_`` of the weight (``python -m layerwise.benchmarks.quant_kernels``).
+cast). The native kernels make one vectorized pass each (the quantize a table lookup where a scale from the
+weight's own amax allows it, :func:`table_path`); ``python -m layerwise.benchmarks.quant_kernels`` measures
+them against a ``clone`` of the weight (benchmarks/results/quant_kernels_cpu.json).
 
 The extension is compiled by ``pip install`` (a C compiler and the Python headers; no torch headers, so
 it builds in about a second) and is optional: where it could not be built, :func:`available` is False and
@@ -111,7 +110,7 @@ def amax(w: torch.Tensor, granularity: str) -> torch.Tensor:
 
 def scale(w: torch.Tensor, granularity: str) -> torch.Tensor:
     """:func:`reference.scale_from_amax` of :func:`amax`, the scale computed in the extension (one call
-    instead of six small torch ops: about 140 us an expert of an MoE layer, 128 experts a layer).
+    instead of six small torch ops, which an MoE layer would pay once per expert).
 
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or Inf.
@@ -149,8 +148,8 @@ def quantize(
         granularity: the scale's layout.
         out: optional contiguous float8_e4m3fn CPU tensor of w's shape, written in place.
         within_range: the caller guarantees every |w / scale| is finite and below 464 (true for a scale from
-            w's own amax, see :func:`reference.quantize`): the conversion then skips its clamp and NaN selects,
-            about 1.7x faster here, with the same bytes.
+            w's own amax, see :func:`reference.quantize`): the conversion then skips its clamp and NaN selects
+            (faster, with the same bytes).
     Returns:
         ``out``, or a new float8_e4m3fn tensor of w's shape.
     """

@@ -1,9 +1,9 @@
 """Finiteness checks that a reload reads once, at its end, instead of once per module.
 
 Every NaN/Inf check reads its answer on the host (``bool(tensor)``): on CUDA that is a synchronization,
-and one per module leaves the GPU idle while Python routes the next module's tensors. (Measured on an H100:
-a reload from a pinned list took 0.47 s, bf16 included, against a 0.29 s copy floor; that these waits are
-the difference is our reading, not yet measured.) Inside
+and one per module leaves the GPU idle while Python routes the next module's tensors. (The H100 reload
+figures in benchmarks/results/reload_latency_cuda_8b.json predate this; that these waits explain their gap to
+the copy floor is our reading, not yet measured.) Inside
 :func:`deferred_finite_checks` a check appends a 0-d bool device tensor (True: the tensor holds NaN or Inf,
 :func:`layerwise.kernels.reference.non_finite_flag`) to the caller's list instead of raising; the caller
 reads the list later, in one synchronization. What the checked tensor was used for in the meantime has

@@ -50,7 +50,7 @@ MAX_PARTIALS = 1024  # most programs of the per-tensor amax launch (a power of t
 # One program's tile for per-token / per-tensor programs: (rows, columns); programs loop over the columns in
 # steps of the tile width. On CUDA a program takes one row, and the whole row in one step (the tile is the
 # next power of two >= K, at most ACT_MAX_TILE_K): at decode (M = 8) a loop of K / 1024 dependent loads per
-# pass, each waiting on memory, would take ~20 us for K = 14336; one wide load takes ~1-2 us. The number of
+# pass waits on memory K / 1024 times in a row; one wide load waits once. The number of
 # warps grows with the tile (ACT_WARPS). The interpreter pays per program, so it takes many rows.
 ACT_ROWS_CUDA = 1
 ACT_MAX_TILE_K = 16384

@@ -3,8 +3,8 @@ torch.compile can trace through them and fake-tensor dispatch sees one op each.
 
 Eager calls skip the custom op and run the launch wrapper directly: calling a custom op the first
 time imports torch._dynamo (its backend implementation is wrapped in ``torch._disable_dynamo``), and
-with it sympy, Inductor and torch.distributed.fsdp, about 1.4 s on a 2-core CPU and ~5 s in the
-CUDA load profile of issue 14. The op is taken only while torch.compile / torch.export traces
+with it sympy, Inductor and torch.distributed.fsdp: seconds of a cold load
+(``benchmarks/first_load_profile.py``). The op is taken only while torch.compile / torch.export traces
 (``torch.compiler.is_compiling()``, a flag read) or for tensor subclasses (FakeTensor, functional
 tensors), so the load path never imports the compiler stack.
 """

@@ -29,8 +29,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 BLOCK_SIZE = (128, 128)
 GRANULARITIES = ("tensor", "channel", "block")
-# Elements handled per step of the chunked loops: bounds the float32 temporaries to 1 MiB (4 MiB doubled the
-# demo load's peak over the model, to 1.04x its largest layer, at no measurable speed gain).
+# Elements handled per step of the chunked loops: bounds the float32 temporaries to 1 MiB (larger chunks raise
+# a load's peak over the model, which the peak-memory tests bound, at no measurable speed gain).
 CHUNK_NUMEL = 1 << 18
 
 
@@ -116,7 +116,7 @@ def amax(w: torch.Tensor, granularity: str = "tensor") -> torch.Tensor:
     # small or float32: reduce w itself (no float32 copy, so an MoE expert's tile adds no buffer)
     if granularity == "channel":
         for r0, r1 in _row_chunks(n, k):
-            rows = w[r0:r1]  # amax and amin: torch.aminmax along a dim is 10-20x slower on CPU
+            rows = w[r0:r1]  # amax and amin: torch.aminmax along a dim is much slower on CPU
             out[r0:r1, 0] = torch.maximum(rows.amax(dim=1).float(), -rows.amin(dim=1).float())
         return out
     bn = BLOCK_SIZE[0]
@@ -148,8 +148,8 @@ def _block_amax(w: torch.Tensor, out: torch.Tensor) -> None:
 def _amax_widened(w: torch.Tensor, granularity: str, out: torch.Tensor) -> torch.Tensor:
     """Per-channel / per-block amax of a large 16-bit ``w`` into ``out``, each row chunk widened into one
     reused float32 buffer (1 MiB; per-block at least 128 rows) and reduced there: torch's CPU reductions
-    along a dim are 5-30x slower on bf16 than on float32 (8192 x 4096 bf16, one thread: per-channel
-    106 -> 16 ms, per-block 55 -> 16 ms). |x| in place; amax keeps NaN (and Inf) in its group."""
+    along a dim are several times slower on bf16 than on float32. |x| in place; amax keeps NaN (and Inf) in
+    its group."""
     n, k = w.shape
     if granularity == "channel":
         buf = torch.empty(min(max(CHUNK_NUMEL, k), w.numel()), dtype=torch.float32, device=w.device)  # >= a row
@@ -290,8 +290,8 @@ def quantize(
         for c0 in range(0, k, CHUNK_NUMEL):
             c1 = min(c0 + CHUNK_NUMEL, k)
             tmp = buf[: c1 - c0].view(1, -1)
-            # widen, then divide in place: a mixed-dtype torch.div(bf16, f32, out=f32) is 4-16x slower on CPU
-            # (an 8192 x 4096 bf16 weight, per tensor: 763 ms vs 46 ms; clone 56 ms)
+            # widen, then divide in place: a mixed-dtype torch.div(bf16, f32, out=f32) is many times slower on
+            # CPU than a widening copy and a float32 division
             tmp.copy_(src[:, c0:c1])
             _quantize_widened(tmp, scale, dst[:, c0:c1], within_range=within_range)
         return out

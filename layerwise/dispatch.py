@@ -9,8 +9,9 @@ class EagerDispatchMode(TorchDispatchMode):
     """A TorchDispatchMode that never involves torch._dynamo.
 
     torch wraps a mode's ``__torch_dispatch__`` in ``torch._disable_dynamo`` unless ``_should_skip_dynamo``
-    says no; that wrapper's first call imports torch._dynamo, sympy and Inductor (3-6 s in a fresh process,
-    the cold-load cost an H100 showed even for BF16 loads). Nothing run inside these modes is compiled.
+    says no; that wrapper's first call imports torch._dynamo, sympy and Inductor (seconds in a fresh process,
+    a cold-load cost even for BF16 loads: ``benchmarks/first_load_profile.py``). Nothing run inside these
+    modes is compiled.
     """
 
     @classmethod

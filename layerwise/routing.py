@@ -49,7 +49,7 @@ def _load_param(module: nn.Module, param_name: str, tensor: torch.Tensor, key: s
 
 def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_id=None) -> None:
     # looked up on the class: nn.Module's __getattr__ fallback raises (and catches) AttributeError for every
-    # module without it, about 2 us a level of every key
+    # module without it, at every level of every key
     if getattr(type(module), "checkpoint_param", None) is not None:
         # the module resolves the rest of the key itself (FusedMoE: expert, projection)
         param_name, shard_id = module.checkpoint_param(name)

@@ -96,8 +96,8 @@ def cpu_rowwise_scaled_mm() -> bool:
 
 
 def scaled_mm_preferred(device: torch.device) -> bool:
-    """Whether "auto" picks W8A8: on CUDA sm89+ only. torch 2.13's CPU ``_scaled_mm`` is a slow
-    reference (measured here: ~30 MFLOP/s, 100 ms for 64x128x384), far behind dequantize + matmul."""
+    """Whether "auto" picks W8A8: on CUDA sm89+ only. torch 2.13's CPU ``_scaled_mm`` is a scalar
+    reference, orders of magnitude behind dequantize + matmul."""
     return device.type == "cuda" and scaled_mm_supported(device)
 
 

@@ -72,7 +72,7 @@ ROW_ALIGN = 16
 DEFAULT_CHUNK_NUMEL = 1 << 18
 #: default elements per row chunk on other devices (a GPU): each chunk costs ~10 kernel launches and its Python,
 #: and CPU-sized chunks cut an 8B model's weights into 27.6k (64 rows, 16 for down_proj's K = 14336; the H100
-#: reload with them took 5.1 s against a 0.29 s copy floor, not yet re-measured). With this budget the N / 8 rows
+#: torchao reload in benchmarks/results/reload_latency_cuda_8b.json ran with them). With this budget the N / 8 rows
 #: bound decides (8 chunks a weight); the local float32 work buffer is 1/8 of a weight's elements (58.7 MB for
 #: Llama-3-8B's gate_up_proj; torchao's own quantize_ of a chunk makes a few of that size), below the BF16
 #: module the session materializes
@@ -137,8 +137,8 @@ def _float8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> N
         scale.copy_(_native_row_scales(w))
         cpu_native.quantize(w, scale, "channel", out=qdata)  # clamp(float32(w) / scale) cast, as below
         return
-    x = work[: w.numel()].view(w.shape).copy_(w)  # exact; float32 reductions are ~4x faster than bf16 ones
-    hi, lo = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)  # (torch.aminmax over rows is ~10x slower)
+    x = work[: w.numel()].view(w.shape).copy_(w)  # exact; torch's CPU reductions are faster on float32 than on bf16
+    hi, lo = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)  # (torch.aminmax over rows is slower)
     amax = torch.maximum(hi, lo.neg_()).abs_().to(w.dtype)  # == w.abs().amax(1) (NaN propagates), +0.0 if all 0
     scale.copy_(amax / fmax)
     qdata.copy_(x.div_(scale).clamp_(-fmax, fmax))  # float32 / float32 scale, as torchao's w.float() / scale
@@ -161,7 +161,7 @@ def _int8_rows(w: torch.Tensor, out: dict, ctx: dict, work: torch.Tensor) -> Non
     :func:`_float8_rows`."""
     qdata, scale, zero_point = out["qdata"], out["scale"], out["zero_point"]
     qmin, qmax = (-64, 63) if ctx.get("reduce_range") else (-128, 127)
-    x = work[: w.numel()].view(w.shape).copy_(w)  # exact; float32 reductions are ~4x faster than bf16 ones
+    x = work[: w.numel()].view(w.shape).copy_(w)  # exact; torch's CPU reductions are faster on float32 than on bf16
     min_val = x.amin(dim=1, keepdim=True).to(w.dtype)
     max_val = x.amax(dim=1, keepdim=True).to(w.dtype)
     min_neg = torch.min(min_val, torch.zeros_like(min_val))

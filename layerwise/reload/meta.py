@@ -39,9 +39,9 @@ def restore_layer_on_meta(layer: nn.Module, info: LayerReloadingInfo) -> None:
 class StagingBuffer:
     """One byte buffer on the CPU, reused to materialize module after module in checkpoint format.
 
-    A fresh allocation per module costs its page faults on first write: copying a 64 MiB BF16 weight
-    into new memory took 41 ms here, into touched memory 8.6 ms (one thread), and far more when the kernel
-    must first reclaim page cache. The buffer grows to the largest module staged. A first load stages the
+    A fresh allocation per module costs its page faults on first write: a copy into new memory runs several
+    times slower than one into touched memory, and slower still when the kernel must first reclaim page
+    cache. The buffer grows to the largest module staged. A first load stages the
     modules whose quant method replaces the weight (``QuantMethod.replaces_weight``) and frees the buffer
     with its session; a non-atomic reload stages every module and keeps the buffer on the model for the
     next reload (``layerwise.reload.release_staging`` frees it). Whatever of a processed module still

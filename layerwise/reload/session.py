@@ -235,7 +235,7 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
 def _recorded(module: nn.Module, info: LayerReloadingInfo, param_name: str, loaded_weight, shard_id):
     """:func:`record_loader` of one load, remembered per (parameter, loaded shape, strides, dtype, shard_id): the
     meta run sees nothing else of the loaded tensor, so the same call records the same writes, and the next
-    reload skips the ~150 us meta run (Limitations 1). A unit-wise module whose loader writes unit i's load as
+    reload skips the meta run (Limitations 1). A unit-wise module whose loader writes unit i's load as
     unit 0's moved by i units declares it (``unit_shard_origin``: FusedMoE's experts); its loads are recorded
     once for unit 0 and translated, so an MoE layer's 768 expert loads make 3 meta runs (Limitations 9)."""
     original, meta_param = info.weight_loaders[param_name], info.restore_metadata[param_name]
