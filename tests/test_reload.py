@@ -319,6 +319,25 @@ def test_kernel_format_reload_rejects_non_finite_and_changes_nothing(pair, name)
 
 
 @pytest.mark.parametrize("atomic", [True, False])
+def test_kernel_format_reload_rejects_a_tensor_sent_twice(pair, atomic):
+    """The same name twice in one kernel-format reload is an error (as in a weight update), not two writes: atomic,
+    nothing changes; otherwise only the first copy was written, and the error lists it."""
+    a, b = pair
+    model = layerwise.load_model(a)
+    before = model_digest(model)
+    name = "model.layers.0.mlp.down_proj.weight"
+    new = layerwise.load_model(b).state_dict()[name]
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, [(name, new), (name, new)], is_checkpoint_format=False, atomic=atomic)
+    assert isinstance(e.value.cause, layerwise.DuplicateWeightError) and e.value.key == name
+    assert e.value.updated_modules == ([] if atomic else [name])
+    if atomic:
+        assert model_digest(model) == before
+    else:
+        assert torch.equal(_bytes(model.state_dict()[name]), _bytes(new))
+
+
+@pytest.mark.parametrize("atomic", [True, False])
 def test_a_failure_inside_finalize_names_what_it_wrote_and_closes_the_session(pair, atomic, monkeypatch):
     """finalize commits staged modules (atomic) one by one; if that fails midway (a device error in copy_), the
     error names every module written so far, the rest keep A's values, nothing stays on meta, and the model

@@ -1,8 +1,9 @@
 """Reload of kernel-format tensors: the model's own names and dtypes (FP8 + scales), copied in place.
 
 Used by ``reload_weights(..., is_checkpoint_format=False)`` and by weight sync from a trainer that
-already holds the quantized tensors. Each tensor is checked (name, dtype, shape, NaN/Inf) before it
-is written; with ``atomic`` every tensor is checked and staged before any is written.
+already holds the quantized tensors (:class:`KernelTensorWriter`, the one writer of both). Each tensor is
+checked (name, dtype, shape, NaN/Inf, not sent before) before it is written; with ``atomic`` every tensor is
+checked and staged before any is written.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from layerwise.errors import NonFiniteWeightError, UnexpectedWeightError, WeightShapeError
+from layerwise.errors import DuplicateWeightError, NonFiniteWeightError, UnexpectedWeightError, WeightShapeError
 from layerwise.kernels import has_non_finite
 
 
@@ -44,10 +45,61 @@ def check_kernel_tensor(targets: dict[str, torch.Tensor], name: str, tensor: tor
     return target
 
 
+class KernelTensorWriter:
+    """Writes kernel-format tensors into a live model by name, each checked first (:func:`check_kernel_tensor`)
+    and accepted once: immediately, or, ``atomic``, staged on the target's device and written by :meth:`commit`.
+
+    The one writer of ``reload_weights(..., is_checkpoint_format=False)`` (:func:`copy_kernel_tensors`) and of a
+    kernel-format weight update (``layerwise.transfer.update.WeightUpdate``).
+
+    Attributes:
+        updated: the names written so far, appended as each is written (so a caller that catches an error knows
+            what changed: empty for an atomic writer until :meth:`commit`).
+    """
+
+    def __init__(self, model: nn.Module, atomic: bool):
+        self.atomic = atomic
+        self.updated: list[str] = []
+        self._targets = kernel_targets(model)
+        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Check ``tensor`` (any device; the target's dtype and shape exactly) and write it into the parameter or
+        buffer ``name`` (``atomic``: stage a copy on the target's device, its bytes held until :meth:`commit`).
+
+        Raises:
+            UnexpectedWeightError / WeightShapeError / NonFiniteWeightError: as :func:`check_kernel_tensor`.
+            DuplicateWeightError: ``name`` was already written or staged by this writer.
+            All with ``key`` set, before anything of this call is written.
+        """
+        target = check_kernel_tensor(self._targets, name, tensor)
+        if name in self._staged or name in self.updated:
+            raise DuplicateWeightError("tensor sent twice in one update", key=name)
+        if self.atomic:
+            self._staged[name] = (target, tensor.to(target.device, copy=True))
+            return
+        with torch.no_grad():
+            target.copy_(tensor)
+        self.updated.append(name)
+
+    def commit(self) -> None:
+        """Write the staged tensors (a no-op when not ``atomic``), appending each name to :attr:`updated`."""
+        staged, self._staged = self._staged, {}
+        with torch.no_grad():
+            for name, (target, tensor) in staged.items():
+                target.copy_(tensor)
+                self.updated.append(name)
+
+    def discard(self) -> None:
+        """Drop the staged tensors unwritten."""
+        self._staged = {}
+
+
 def copy_kernel_tensors(
     model: nn.Module, stream: Iterable[tuple[str, torch.Tensor]], atomic: bool, updated: list
 ) -> None:
-    """Copy each (name, tensor) of ``stream`` into the parameter or buffer of that name.
+    """Copy each (name, tensor) of ``stream`` into the parameter or buffer of that name
+    (:class:`KernelTensorWriter`).
 
     Args:
         model: the live model; names are those of ``model.named_parameters()`` / ``named_buffers()``
@@ -59,20 +111,11 @@ def copy_kernel_tensors(
         updated: list the names written are appended to, as they are written (so a caller that
             catches an error knows what changed).
     Raises:
-        UnexpectedWeightError / WeightShapeError / NonFiniteWeightError, with ``key`` set, before the
-        offending tensor (and, atomic, any tensor) is written (see :func:`check_kernel_tensor`).
+        UnexpectedWeightError / WeightShapeError / NonFiniteWeightError / DuplicateWeightError, with ``key`` set,
+        before the offending tensor (and, atomic, any tensor) is written (see :meth:`KernelTensorWriter.write`).
     """
-    targets = kernel_targets(model)
-    staged = []
+    writer = KernelTensorWriter(model, atomic)
+    writer.updated = updated  # the caller's list, filled as tensors are written
     for name, tensor in stream:
-        target = check_kernel_tensor(targets, name, tensor)
-        if atomic:
-            staged.append((name, target, tensor.to(target.device, copy=True)))
-            continue
-        with torch.no_grad():
-            target.copy_(tensor)
-        updated.append(name)
-    with torch.no_grad():
-        for name, target, tensor in staged:
-            target.copy_(tensor)
-            updated.append(name)
+        writer.write(name, tensor)
+    writer.commit()

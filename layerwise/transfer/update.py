@@ -33,12 +33,11 @@ from torch import nn
 
 from layerwise.api import ReloadReport, model_defers_checks
 from layerwise.errors import (
-    DuplicateWeightError,
     LayerwiseError,
     ReloadError,
     WeightShapeError,
 )
-from layerwise.reload.kernel_format import check_kernel_tensor, kernel_targets
+from layerwise.reload.kernel_format import KernelTensorWriter
 from layerwise.reload.session import (
     abort_layerwise_reload,
     check_deferred,
@@ -90,14 +89,14 @@ class WeightUpdate:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         self._tied_seen: str | None = None  # which of the tied names arrived first
-        self._targets: dict[str, torch.Tensor] = {}
-        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._writer: KernelTensorWriter | None = None  # kernel format
         if is_checkpoint_format:  # Limitations 12 on CUDA: one host read per batch, not one per module
             self.session = initialize_layerwise_reload(
                 model, atomic=atomic, defer_checks=model_defers_checks(model), borrow_device_tensors=False
             )
         else:
-            self._targets = kernel_targets(model)
+            self._writer = KernelTensorWriter(model, atomic)
+            self.updated = self._writer.updated  # one list: what the writer has written so far
 
     # -- receiving -------------------------------------------------------------------------------
     def receive(self, transfer_engine: WeightTransferEngine, update_info: Any) -> None:
@@ -198,15 +197,7 @@ class WeightUpdate:
                     buffered.loaded_weight = w.clone()
 
     def _load_kernel_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        target = check_kernel_tensor(self._targets, name, tensor)
-        if name in self._staged or name in self.updated:
-            raise DuplicateWeightError("tensor sent twice in one update", key=name)
-        if self.atomic:
-            self._staged[name] = (target, tensor.to(target.device, copy=True))
-            return
-        with torch.no_grad():
-            target.copy_(tensor)
-        self.updated.append(name)
+        self._writer.write(name, tensor)
 
     # -- ending ----------------------------------------------------------------------------------
     def finish(self) -> ReloadReport:
@@ -228,11 +219,7 @@ class WeightUpdate:
                     session = finalize_layerwise_reload(self.model)
                 self.updated, peak = list(session.processed), session.peak_buffered_bytes
             else:
-                with torch.no_grad():
-                    for name, (target, staged) in self._staged.items():
-                        target.copy_(staged)
-                        self.updated.append(name)
-                self._staged = {}
+                self._writer.commit()
         except ReloadError:
             self._close()  # finalize restored the model itself
             raise
@@ -253,7 +240,8 @@ class WeightUpdate:
         if self.is_checkpoint_format:
             with on_device(self.device):
                 self.updated = abort_layerwise_reload(self.model)
-        self._staged = {}
+        if self._writer is not None:
+            self._writer.discard()
         self._close()
         # exact in both modes: an atomic update lists only what its commit wrote before it failed
         return list(self.updated)
