@@ -3,6 +3,7 @@
 from layerwise.api import LoadReport, ReloadReport, load_model, load_model_with_report, reload_weights
 from layerwise.errors import (
     CheckpointError,
+    ConfigError,
     DuplicateWeightError,
     LayerwiseError,
     MissingDependencyError,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "ConfigError",
     "DuplicateWeightError",
     "LayerwiseError",
     "LoadReport",

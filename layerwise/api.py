@@ -17,7 +17,7 @@ from layerwise.checkpoint import Checkpoint, group_name
 from layerwise.config import ModelConfig
 from layerwise.distributed import TPContext
 from layerwise.dtypes import parse_dtype
-from layerwise.errors import LayerwiseError, ReloadError, WeightShapeError
+from layerwise.errors import ConfigError, LayerwiseError, ReloadError, WeightShapeError
 from layerwise.kernels import resolve_kernel
 from layerwise.memory import DeviceMemoryTracker, tensor_bytes
 from layerwise.quant.config import QuantConfig
@@ -155,20 +155,24 @@ def load_model_with_report(
     start = time.perf_counter()
     tp = TPContext.of(tp_group)
     ckpt = Checkpoint(path)
-    config = ModelConfig.from_dict(ckpt.config)
-    arch, model_cls = get_model_class(config, os.path.join(ckpt.path, "config.json"))
+    config = ModelConfig.from_dict(ckpt.config, ckpt.config_path)
+    arch, model_cls = get_model_class(config, ckpt.config_path)
     device = torch.device(device)
     params_dtype = parse_dtype(dtype) or config.dtype or torch.bfloat16
     amax_reduce = (lambda a: tp.all_reduce(a, "max")) if global_scales and tp.size > 1 else None
     quant_config = QuantConfig(quantization, resolve_kernel(kernel, device), fp8_mode, amax_reduce)
     groups = ckpt.group_bytes()
-    bar = _Progress(groups, progress)
     tracker = DeviceMemoryTracker(device) if track_memory else contextlib.nullcontext()
     completed = False
     with tracker:
-        with torch.device("meta"):
-            model = model_cls(config, quant_config, params_dtype, device, tp=tp)  # checks the TP sizes
+        try:
+            with torch.device("meta"):
+                model = model_cls(config, quant_config, params_dtype, device, tp=tp)  # checks the TP sizes
+        except ConfigError as e:  # a config value the layers refuse (rope_type, sliding_window, layer_types)
+            e.add_context(file=ckpt.config_path)
+            raise
         record_metadata_for_reloading(model)
+        bar = _Progress(groups, progress)  # after the build: a config error then prints on a line of its own
         try:
             with layerwise_session(model, device=device) as session:
                 stream_weights(model, ckpt.iter_lazy(), ckpt.file_of, bar.on_tensor)
@@ -250,7 +254,9 @@ def load_model(
         the model in eval mode; ``model(input_ids [B, T]) -> logits [B, T, vocab]`` (every rank returns
         the full logits; all ranks of the group must call forward together).
     Raises:
-        CheckpointError: unusable directory (no config.json, missing or truncated shard, bad index).
+        CheckpointError: unusable directory (no config.json, missing or truncated shard, bad index, a tensor
+            of an unsupported dtype); its subclass ConfigError: a config.json that lacks a required field or holds
+            a value the model refuses (an unknown rope_type, a bad sliding_window or layer_types). Names the file.
         UnsupportedArchitectureError: config.json names no supported architecture.
         UnexpectedWeightError / WeightShapeError / NonFiniteWeightError / MissingWeightError /
         DuplicateWeightError: a bad tensor; the error names the tensor key and file.
@@ -275,7 +281,7 @@ def load_model(
 def _open_weights(model: nn.Module, weights: Weights, lazy: bool):
     if isinstance(weights, (str, os.PathLike)):
         ckpt = Checkpoint(weights)
-        config = ModelConfig.from_dict(ckpt.config)
+        config = ModelConfig.from_dict(ckpt.config, ckpt.config_path)
         own = model.config
         for name in (
             "hidden_size",
@@ -292,7 +298,7 @@ def _open_weights(model: nn.Module, weights: Weights, lazy: bool):
                 raise WeightShapeError(
                     f"checkpoint config {name}={getattr(config, name)} differs from the live "
                     f"model's {getattr(own, name)}",
-                    file=os.path.join(ckpt.path, "config.json"),
+                    file=ckpt.config_path,
                 )
         return (ckpt.iter_lazy() if lazy else ckpt), ckpt.file_of  # lazy: each rank reads only its slices
     return weights, None

@@ -42,20 +42,6 @@ _TORCH_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_DTYPE_BYTES = {
-    "BF16": 2,
-    "F16": 2,
-    "F32": 4,
-    "F64": 8,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
 
 
 def layer_group(key: str) -> tuple[int, int]:
@@ -134,7 +120,7 @@ class LazyTensor:
         self.checkpoint, self.key, self.full_shape = checkpoint, key, info.shape
         self.box = box if box is not None else tuple((0, n) for n in info.shape)  # (start, stop) per dim
         self.shape = torch.Size(stop - start for start, stop in self.box)
-        self.dtype = _TORCH_DTYPES.get(info.dtype, torch.bfloat16)
+        self.dtype = _TORCH_DTYPES[info.dtype]  # checked when the headers were read
         self.device = _CPU
 
     def numel(self) -> int:
@@ -177,10 +163,12 @@ class Checkpoint:
 
     Args:
         path: directory with config.json and model.safetensors or model.safetensors.index.json.
+    Attributes:
+        config: the parsed config.json (a dict); config_path: its path.
     Raises:
-        CheckpointError: not a directory, config.json missing or invalid JSON, no weights file,
-            a shard listed in index.json is absent (the message names the shard and one of its keys),
-            or a listed key is not in its shard.
+        CheckpointError: not a directory, config.json missing, invalid JSON or not an object, no weights file,
+            a shard listed in index.json is absent (the message names the shard and one of its keys), a listed
+            key is not in its shard, or a tensor of a dtype not loaded here (U16, C64, ...; names key and file).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -193,14 +181,16 @@ class Checkpoint:
             )
         if not os.path.isdir(self.path):
             raise CheckpointError(f"checkpoint directory does not exist: {self.path}", file=self.path)
-        config_path = os.path.join(self.path, CONFIG_NAME)
-        if not os.path.isfile(config_path):
-            raise CheckpointError(f"config.json is missing in {self.path}", file=config_path)
+        self.config_path = os.path.join(self.path, CONFIG_NAME)
+        if not os.path.isfile(self.config_path):
+            raise CheckpointError(f"config.json is missing in {self.path}", file=self.config_path)
         try:
-            with open(config_path) as f:
+            with open(self.config_path) as f:
                 self.config: dict = json.load(f)
         except json.JSONDecodeError as e:
-            raise CheckpointError(f"config.json is not valid JSON: {e}", file=config_path) from e
+            raise CheckpointError(f"config.json is not valid JSON: {e}", file=self.config_path) from e
+        if not isinstance(self.config, dict):
+            raise CheckpointError("config.json does not hold a JSON object", file=self.config_path)
         self._handles: dict[str, object] = {}
         self.bytes_read = 0  # payload bytes materialized through LazyTensor (slices: only their bytes)
         self.tensors: dict[str, TensorInfo] = self._read_headers(self._weight_map())
@@ -249,10 +239,16 @@ class Checkpoint:
                     f"tensor listed in {INDEX_FILE} is not in its shard: {e}", key=key, file=self.file_of_shard(shard)
                 ) from e
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+            if dtype not in _TORCH_DTYPES:
+                raise CheckpointError(
+                    f"unsupported safetensors dtype {dtype} (supported: {', '.join(_TORCH_DTYPES)})",
+                    key=key,
+                    file=self.file_of_shard(shard),
+                )
             numel = 1
             for s in shape:
                 numel *= s
-            infos[key] = TensorInfo(key, shard, dtype, shape, numel * _DTYPE_BYTES.get(dtype, 2))
+            infos[key] = TensorInfo(key, shard, dtype, shape, numel * _TORCH_DTYPES[dtype].itemsize)
         return infos
 
     def file_of_shard(self, shard: str) -> str:

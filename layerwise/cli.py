@@ -312,6 +312,11 @@ def main(argv=None) -> int:
         if debug:
             raise
         return _fail(str(e), EXIT_FAILED)
+    except torch.cuda.OutOfMemoryError as e:  # torch.OutOfMemoryError: the device, not a bug
+        if debug:
+            raise
+        first = str(e).split(". ")[0]  # "CUDA out of memory", without the allocator's advice that follows
+        return _fail(f"out of device memory ({first}); a smaller model or another device", EXIT_FAILED)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a bug: still no traceback unless asked for

@@ -8,6 +8,10 @@ from typing import Any
 import torch
 
 from layerwise.dtypes import DTYPES
+from layerwise.errors import ConfigError
+
+#: the config.json fields every supported architecture needs (the others have defaults)
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -58,8 +62,23 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Parse a config.json dict. Raises KeyError naming a missing required field."""
+    def from_dict(cls, d: dict[str, Any], source: str | None = None) -> ModelConfig:
+        """Parse a config.json dict; ``source``: the file it came from, named by the errors.
+
+        Raises:
+            ConfigError: a field of :data:`REQUIRED_FIELDS` is absent or null, or ``architectures`` is neither
+                a list nor a string.
+        """
+        missing = [name for name in REQUIRED_FIELDS if d.get(name) is None]
+        if missing:
+            raise ConfigError(f"config.json lacks the required field(s) {', '.join(missing)}", file=source)
+        architectures = d.get("architectures") or []
+        if isinstance(architectures, str):  # a single name where a list belongs: read as that one name
+            architectures = [architectures]
+        if not isinstance(architectures, (list, tuple)):
+            raise ConfigError(
+                f"config.json architectures must be a list of class names, got {architectures!r}", file=source
+            )
         rope = dict(d.get("rope_parameters") or {})
         legacy_scaling = d.get("rope_scaling")
         rope_theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
@@ -73,12 +92,10 @@ class ModelConfig:
         dtype_name = d.get("dtype") or d.get("torch_dtype")
         # Qwen2 / Qwen3 / Qwen3-MoE gate the window with use_sliding_window (transformers' default: False);
         # Mistral, Mixtral and Phi-3 have no such flag: their window applies whenever sliding_window is set
-        qwen = str(d.get("model_type", "")).startswith("qwen") or any(
-            str(a).startswith("Qwen") for a in d.get("architectures") or []
-        )
+        qwen = str(d.get("model_type", "")).startswith("qwen") or any(str(a).startswith("Qwen") for a in architectures)
         use_window = d.get("use_sliding_window", not qwen)
         return cls(
-            architectures=list(d.get("architectures") or []),
+            architectures=list(architectures),
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
@@ -110,12 +127,13 @@ class ModelConfig:
     def is_sliding_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` of a Qwen2/Qwen3 model attends over ``sliding_window`` keys
         only, by transformers' rule: ``layer_types[layer_idx] == "sliding_attention"``, or, for a config
-        without ``layer_types``, a window (``use_sliding_window`` set) and ``layer_idx >= max_window_layers``."""
+        without ``layer_types``, a window (``use_sliding_window`` set) and ``layer_idx >= max_window_layers``.
+        Raises ConfigError when ``layer_types`` has not one entry per layer."""
         if self.sliding_window is None:
             return False
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
-                raise ValueError(
+                raise ConfigError(
                     f"config.json layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
                 )
             return self.layer_types[layer_idx] == "sliding_attention"

@@ -36,6 +36,12 @@ class CheckpointError(LayerwiseError):
     """The checkpoint directory is unusable: no config.json, a listed shard is absent, bad index."""
 
 
+class ConfigError(CheckpointError, ValueError):
+    """config.json lacks a required field or holds a value the model cannot take (an unknown rope_type, a
+    sliding_window that is not a positive integer, layer_types of the wrong length). Raised while the config
+    is parsed or the model is built; the loader names the file."""
+
+
 class UnsupportedArchitectureError(LayerwiseError):
     """config.json names an architecture that has no model class in the registry."""
 
@@ -45,7 +51,8 @@ class UnexpectedWeightError(LayerwiseError):
 
 
 class WeightShapeError(LayerwiseError, ValueError):
-    """A checkpoint tensor's shape does not fit the parameter (region) it is loaded into."""
+    """A checkpoint tensor's shape (or dtype: an integer tensor for a float parameter; a kernel-format tensor of
+    another dtype) does not fit the parameter (region) it is loaded into."""
 
 
 class NonFiniteWeightError(LayerwiseError, ValueError):

@@ -103,8 +103,11 @@ class ModelWeightParameter(nn.Parameter):
                 ``input_dim``), or None: ``output_dim``, else ``input_dim``, else the whole tensor.
         Raises:
             WeightShapeError: the checkpoint tensor's shape is not the full (unsharded) shape of the region,
-                or the slice lies outside it; the message gives both shapes.
+                or the slice lies outside it (the message gives both shapes); or a tensor that is not floating
+                point (an integer or bool dtype) for a floating-point parameter, which a copy would cast.
         """
+        if self.dtype.is_floating_point and not loaded_weight.dtype.is_floating_point:
+            raise WeightShapeError(f"checkpoint dtype {loaded_weight.dtype} for a {self.dtype} parameter")
         if dim is None:
             d = self.output_dim if self.output_dim is not None else self.input_dim
         elif dim in ("output", "input"):

@@ -102,6 +102,38 @@ def test_bad_report_directory_fails_before_loading(ckpt, tmp_path):
     assert proc.returncode == 2 and "is a directory" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"vocab_size": None}, ["lacks the required field(s) vocab_size"]),
+        ({"use_sliding_window": True, "sliding_window": 4, "layer_types": ["full_attention"] * 3}, ["layer_types"]),
+    ],
+)
+def test_config_errors_name_the_file_on_a_line_of_their_own(ckpt, tmp_path, change, words):
+    """A config.json the model refuses: one error line naming the field and the file (not a KeyError reported as
+    a bug), and not printed onto the progress bar's line (_run counts lines that start with "loading" as the bar)."""
+    path = _copy(ckpt, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(change)
+    (path / "config.json").write_text(json.dumps(cfg))
+    proc = _run("load", str(path))
+    (line,) = _error_lines(proc)
+    assert proc.returncode == 1 and "unexpected" not in line and str(path / "config.json") in line
+    assert all(w in line for w in words), line
+
+
+def test_out_of_device_memory_is_one_line_not_a_bug(ckpt, monkeypatch, capsys):
+    from layerwise import cli
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity")
+
+    monkeypatch.setattr(cli, "load_model_with_report", oom)
+    assert cli.main(["load", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert "out of device memory (CUDA out of memory)" in err and "unexpected" not in err and "Tried" not in err
+
+
 def test_truncated_shard_says_truncated_and_names_the_file(ckpt, tmp_path):
     path = _copy(ckpt, tmp_path)
     shard = path / _shard_of(path, KEY)

@@ -63,6 +63,64 @@ def test_missing_config(ckpt):
     assert e.value.file == str(ckpt / "config.json")
 
 
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    for name in [k for k, v in changes.items() if v is ...]:
+        del cfg[name]
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("missing", ["vocab_size", "num_hidden_layers"])
+def test_config_without_a_required_field_names_it_and_the_file(ckpt, missing):
+    model = layerwise.load_model(ckpt)
+    _edit_config(ckpt, **{missing: ...})
+    with pytest.raises(layerwise.ConfigError, match=missing) as e:
+        layerwise.load_model(ckpt)
+    assert e.value.file == str(ckpt / "config.json")
+    with pytest.raises(layerwise.ReloadError) as e:  # a reload from that directory: nothing written
+        layerwise.reload_weights(model, ckpt)
+    assert isinstance(e.value.cause, layerwise.CheckpointError) and e.value.updated_modules == []
+
+
+def test_config_architectures_may_be_one_name_not_a_list(ckpt):
+    _edit_config(ckpt, architectures="Qwen3ForCausalLM")
+    assert type(layerwise.load_model(ckpt)).__name__ == "Qwen3ForCausalLM"
+    _edit_config(ckpt, architectures={"name": "Qwen3ForCausalLM"})
+    with pytest.raises(layerwise.ConfigError, match="architectures"):
+        layerwise.load_model(ckpt)
+
+
+def test_config_that_is_not_an_object(ckpt):
+    (ckpt / "config.json").write_text("[1, 2]")
+    with pytest.raises(layerwise.CheckpointError, match="JSON object") as e:
+        layerwise.load_model(ckpt)
+    assert e.value.file == str(ckpt / "config.json")
+
+
+def test_tensor_of_an_unsupported_dtype_names_key_and_file(ckpt):
+    shard = _shard_of(ckpt, KEY)
+    path = ckpt / shard
+    raw = path.read_bytes()  # rewrite KEY's header dtype to U16 (a safetensors dtype of BF16's width, not loaded)
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header[KEY]["dtype"] = "U16"
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+    with pytest.raises(layerwise.CheckpointError, match="unsupported safetensors dtype") as e:
+        layerwise.load_model(ckpt)
+    assert e.value.key == KEY and e.value.file == str(path)
+
+
+def test_integer_tensor_for_a_float_weight_is_refused(ckpt):
+    shape = (TINY["intermediate_size"], TINY["hidden_size"])
+    shard = _edit(ckpt, KEY, lambda t: t.update({KEY: torch.ones(shape, dtype=torch.int32)}))
+    with pytest.raises(layerwise.WeightShapeError, match="torch.int32") as e:  # a copy would cast it silently
+        layerwise.load_model(ckpt, quantization=None)
+    assert e.value.key == KEY and shard in str(e.value)
+
+
 def test_unknown_architecture_lists_supported(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]

@@ -229,5 +229,6 @@ def test_phi3_rejects_unsupported_config(checkpoints, tmp_path, change, message)
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(change)
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(layerwise.ConfigError, match=message) as e:  # names the file
         layerwise.load_model(path)
+    assert e.value.file == str(path / "config.json")

@@ -23,6 +23,8 @@ import math
 import torch
 from torch import nn
 
+from layerwise.errors import ConfigError
+
 
 def default_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """inv_freq[i] = theta^(-2i / head_dim), float32 [head_dim / 2] on ``device``."""
@@ -58,7 +60,7 @@ def longrope_inv_freq(
         (attention_factor; default sqrt(1 + ln(factor) / ln(original)), factor defaulting to
         max_position_embeddings / original).
     Raises:
-        ValueError: a factor list of the wrong length.
+        ConfigError: a factor list of the wrong length.
     """
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_position_embeddings / original
@@ -70,7 +72,7 @@ def longrope_inv_freq(
     for name in ("short_factor", "long_factor"):
         ext = torch.tensor(scaling[name], dtype=torch.float32, device=device)
         if ext.shape != powers.shape:
-            raise ValueError(f"longrope {name} has {ext.numel()} entries, expected {powers.numel()} (rotary_dim / 2)")
+            raise ConfigError(f"longrope {name} has {ext.numel()} entries, expected {powers.numel()} (rotary_dim / 2)")
         freqs.append(1.0 / (ext * powers))
     return freqs[0], freqs[1], attention_factor
 
@@ -83,7 +85,7 @@ class RotaryEmbedding(nn.Module):
         max_position_embeddings: the config's value (LongRoPE's default ``factor`` is its ratio
             to original_max_position_embeddings).
     Raises:
-        ValueError: an unsupported ``rope_type``.
+        ConfigError: an unsupported ``rope_type``.
     """
 
     def __init__(
@@ -113,7 +115,7 @@ class RotaryEmbedding(nn.Module):
             )
             self.original_max_position_embeddings = rope_scaling["original_max_position_embeddings"]
         elif rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, longrope)")
+            raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, longrope)")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 

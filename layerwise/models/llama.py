@@ -12,6 +12,7 @@ from torch import nn
 
 from layerwise.config import ModelConfig
 from layerwise.distributed import NO_TP, TPContext
+from layerwise.errors import ConfigError
 from layerwise.layers.attention import AttentionMetadata, attention, cache_mask
 from layerwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from layerwise.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -109,7 +110,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = self.make_rotary(config, device)
         self.sliding_window = self.attention_window(config, layer_index(prefix))
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
-            raise ValueError(
+            raise ConfigError(
                 f"config.json sliding_window must be a positive integer or null, got {self.sliding_window!r}"
             )
 
