@@ -9,7 +9,7 @@ The forward's kernels live beside these (imported on demand, CUDA only in the li
 ``fp8_act`` (fused dynamic activation quantization: per token, per token group of 128, per tensor) and
 ``fp8_gemm`` (W8A16 GEMM over FP8 weight bytes; block-scaled W8A8 GEMM). ``ops`` wraps the weight
 kernels as torch.library custom ops for torch.compile; eager calls skip the op (no torch._dynamo import).
-This package imports only torch and triton.
+This package imports torch, triton and, of the project, only the leaf ``layerwise.errors`` (never ``quant``).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def fp8_scale_pieces_batch(
     Raises:
         NonFiniteWeightError: a weight holds NaN or Inf; the message names its index in ``weights``.
     """
-    if kernel != "triton" and cpu_native.supports_batch(weights):
+    if kernel != "triton" and cpu_native.supports_batch(weights) and finite.deferred_sink() is None:
         amax = cpu_native.amax_batch(weights, shape, granularity)
         try:
             return cpu_native.scale_from_amax_(amax)  # in place: the batch's scales are its only float32 memory

@@ -58,9 +58,16 @@ class TPContext:
         return total // self.size
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` in place over the group ("sum" or "max"); the identity without TP."""
+        """Reduce ``tensor`` in place over the group ("sum" or "max"); the identity without TP.
+
+        Raises:
+            ValueError: another ``op`` (checked with or without TP, so a typo fails on one rank too).
+        """
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        if op not in ops:
+            raise ValueError(f"all_reduce op must be 'sum' or 'max', got {op!r}")
         if self.size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(tensor, op=ops[op], group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

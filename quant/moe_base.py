@@ -34,8 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels import has_non_finite
+from layerwise.kernels import require_finite
 from layerwise.quant.parameters import ModelWeightParameter, WeightLoader
 
 _CAPTURE_PATH: ContextVar[bool] = ContextVar("layerwise_moe_capture_path", default=False)
@@ -220,8 +219,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         }
 
     def process_expert(self, layer, param_name, expert_id, weight, kernel_tensors) -> None:
-        if has_non_finite(weight):
-            raise NonFiniteWeightError(f"{param_name} of expert {expert_id} holds NaN or Inf")
+        require_finite(weight, f"{param_name} of expert {expert_id} holds NaN or Inf")  # or deferred, as any check
         with torch.no_grad():
             kernel_tensors[param_name][expert_id].copy_(weight)
 

@@ -229,3 +229,24 @@ def test_load_shard_copies_without_waiting_only_inside_async_host_copies(monkeyp
             else:
                 param.load_shard(source)
         assert probe.copies == [expected], (target, inside)
+
+
+@pytest.mark.parametrize("scheme", [None, "fp8-per-tensor"], ids=lambda s: s or "bf16")
+def test_a_deferred_moe_reload_reads_the_host_once_and_reports_a_nan_expert(tmp_path_factory, scheme, deferred):
+    """The experts' checks defer too, unquantized experts included (their copy checked each expert on the host)."""
+    from tests.moe_helpers import checkpoint_pair
+
+    _, a, b = checkpoint_pair(tmp_path_factory, "Qwen3MoeForCausalLM", "deferred-moe")
+    model = layerwise.load_model(a, quantization=scheme)
+    stream = _stream(b)
+    with HostReads() as reads:
+        layerwise.reload_weights(model, stream)
+    assert reads.reads == 0
+    fresh = layerwise.load_model(b, quantization=scheme).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(_bytes(t), _bytes(fresh[name])), name
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, _stream(a, key))
+    assert isinstance(e.value, layerwise.NonFiniteWeightError) and e.value.key == key
+    assert e.value.non_finite_modules == ["model.layers.1.mlp.experts"]

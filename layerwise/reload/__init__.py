@@ -70,7 +70,7 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    all-or-nothing behaviour.
 12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple, and a checkpoint-format weight
    update, on CUDA without tensor parallelism: ``api.model_defers_checks``) makes no host read of its own
-   while it streams dense modules
+   while it streams modules
    (BF16, FP8, and torchao weights of a shape already checked against torchao's bytes), so the GPU is
    not left idle while Python routes the next module: its NaN/Inf checks (``check_finite``, the FP8
    scale's amax) append a device flag instead of raising (``layerwise.kernels.finite``), its copies of
@@ -89,8 +89,9 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    naming its key (the NaN module and the rest of the batch written first; staged and dropped when atomic);
    every ``load_weights`` call on CUDA waits for the device before it returns, so the transport may refill,
    and a trainer reuse, the batch's memory; and it still copies a device tensor it buffers across batches to
-   the host (``borrow_device_tensors=False``), a copy that waits for the device. Unit-wise modules (9) keep
-   checking as they go.
+   the host (``borrow_device_tensors=False``), a copy that waits for the device. Unit-wise modules (9) defer
+   theirs too, a flag per processing call (one expert, or a module's queued experts at once), and are named
+   once however many of their experts held a NaN.
 """
 
 from layerwise.reload.session import (

@@ -364,24 +364,28 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
     device = targets[param_name].device  # where the expert's FP8 slice lives, which the pieces are quantized into
     pieces = _loaded_pieces(module.quant_method, unit_meta.shape, state.loaded_weights, device, first)
     weight = as_param = None
+    flags: list[torch.Tensor] = []  # with defer_checks: what the checks found, read at finalize (Limitations 12)
     if pieces is None:
         # CPU: the unit reuses the staging buffer's touched memory
         weight = empty_like_metas({param_name: unit_meta}, session.device, session.staging)[param_name]
         # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
         # own loader, which writes only param[index] (checked above on meta), fills it
         as_param = weight.unsqueeze(0).expand(meta.shape)
-        for buffered in state.loaded_weights:
-            info.weight_loaders[param_name](as_param, buffered.loaded_weight, buffered.shard_id)
+        with _deferral(session, flags):  # host-to-device copies that do not wait, as a module's replay
+            for buffered in state.loaded_weights:
+                info.weight_loaders[param_name](as_param, buffered.loaded_weight, buffered.shard_id)
     started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
     try:
-        if pieces is None:
-            module.quant_method.process_expert(module, param_name, index, weight, targets)
-        else:
-            module.quant_method.process_expert(module, param_name, index, None, targets, weight_pieces=pieces)
+        with _deferral(session, flags):
+            if pieces is None:
+                module.quant_method.process_expert(module, param_name, index, weight, targets)
+            else:
+                module.quant_method.process_expert(module, param_name, index, None, targets, weight_pieces=pieces)
     except NonFiniteWeightError as e:  # raised by the scale, before any write
         info.units_started = started_before
         raise _non_finite_unit(info, unit, state) from e
     del weight, as_param
+    _defer(session, info.prefix, flags, state.loaded_weights)
     _unit_processed(module, info, unit, state)
 
 
@@ -395,7 +399,8 @@ def _non_finite_unit(info: LayerReloadingInfo, unit: Hashable, state: UnitState)
 
 def _process_pending_units(module: nn.Module, info: LayerReloadingInfo) -> None:
     """Quantize the module's queued units in one ``process_experts`` call over all their pieces: every unit's
-    scale before any write (a NaN or Inf anywhere leaves the module untouched), on CPU one native pass for the
+    scale before any write (a NaN or Inf anywhere leaves the module untouched; with ``defer_checks`` it is written
+    and reported at finalize, Limitations 12), on CPU one native pass for the
     scales and one for the bytes of each parameter, instead of ~10 small calls per expert."""
     pending, info.pending_units = info.pending_units, []
     targets = _unit_targets(module, info)
@@ -417,14 +422,17 @@ def _process_pending_units(module: nn.Module, info: LayerReloadingInfo) -> None:
     if not queued:
         return
     started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
+    flags: list[torch.Tensor] = []  # with defer_checks: what the checks found, read at finalize (Limitations 12)
     try:
-        module.quant_method.process_experts(module, batches, targets)
+        with _deferral(info.session, flags):
+            module.quant_method.process_experts(module, batches, targets)
     except NonFiniteWeightError as e:  # raised before any write
         info.units_started = started_before
         bad = [(u, s) for u, s in queued if _find_non_finite_key(s.loaded_weights)]
         if not bad:
             raise
         raise _non_finite_unit(info, *bad[0]) from e
+    _defer(info.session, info.prefix, flags, [b for _, state in queued for b in state.loaded_weights])
     for unit, state in queued:
         _unit_processed(module, info, unit, state, counted=False)
 
@@ -509,6 +517,14 @@ def _deferral(session: ReloadSession, flags: list[torch.Tensor]) -> Iterator[Non
         yield
 
 
+def _defer(session: ReloadSession, prefix: str, flags: list[torch.Tensor], loads: list[BufferedLoad]) -> None:
+    """Keep the checks a :func:`_deferral` block recorded (``flags``) for finalize, as one DeferredCheck of the
+    module ``prefix`` (a unit-wise module gets one per processing call), with the ``loads`` that name its key."""
+    if flags:
+        flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+        session.deferred.append(DeferredCheck(prefix, flag, loads))
+
+
 def on_device(device: torch.device):
     """The session's CUDA device made current (Triton launches on the current device's stream, torch ops on the
     tensors' device: with the model on cuda:1 both must be cuda:1's); nothing for other devices."""
@@ -533,11 +549,17 @@ def _failed_deferred(session: ReloadSession) -> list[DeferredCheck]:
     return [c for c, bad in zip(checks, flags, strict=True) if bad]
 
 
+def _failed_modules(failed: list[DeferredCheck]) -> list[str]:
+    """The modules of ``failed``, each once (a unit-wise module has a check per processing call)."""
+    return list(dict.fromkeys(c.prefix for c in failed))
+
+
 def _non_finite_message(failed: list[DeferredCheck], atomic: bool, where: str = "the stream") -> str:
-    subject = "these modules were" if len(failed) > 1 else "the module was"
+    modules = _failed_modules(failed)
+    subject = "these modules were" if len(modules) > 1 else "the module was"
     effect = "staged, not written (atomic)" if atomic else "written with it"
     return (
-        f"non-finite value (NaN or Inf) in a weight of {', '.join(c.prefix for c in failed)}, found at the end of "
+        f"non-finite value (NaN or Inf) in a weight of {', '.join(modules)}, found at the end of "
         f"{where}: {subject} {effect}"
     )
 
@@ -553,7 +575,7 @@ def check_deferred(session: ReloadSession) -> None:
     failed = _failed_deferred(session)
     if failed:
         if not session.atomic:  # staged modules are dropped by the abort that follows: nothing holds the NaN
-            session.non_finite_modules.extend(c.prefix for c in failed)
+            session.non_finite_modules.extend(m for m in _failed_modules(failed) if m not in session.non_finite_modules)
         message = _non_finite_message(failed, session.atomic, "the batch")
         raise NonFiniteWeightError(message, key=_find_non_finite_key(failed[0].loads))
 
@@ -614,9 +636,7 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         except BaseException:  # anything else may come after a write into the live tensors: reported as updated
             info.in_place = info.in_place or live is not None
             raise
-    if flags:
-        flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-        session.deferred.append(DeferredCheck(info.prefix, flag, info.loaded_weights))
+    _defer(session, info.prefix, flags, info.loaded_weights)
     if live is not None:  # copied into the kernel tensors: nothing keeps the buffer
         processed = layer_tensors(module)
         _check_kernel_format(info, processed)
@@ -834,18 +854,20 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
     if session is None:
         raise RuntimeError("no layerwise load/reload in progress on this model")
     failed = _failed_deferred(session)  # Limitations 12: what the device found, before anything else
+    if not failed:
+        for module in session.modules.values():  # a partial reload's units still queued (Limitations 9)
+            info = get_layerwise_info(module)
+            if info.pending_units:
+                _process_pending_units(module, info)
+        failed = _failed_deferred(session)  # what the device found in those
     if failed:
         message = _non_finite_message(failed, session.atomic)
         error = NonFiniteWeightError(message, key=_find_non_finite_key(failed[0].loads))
         updated = abort_layerwise_reload(model)
         if session.first_load:
             raise error
-        written = [] if session.atomic else [c.prefix for c in failed]  # atomic: nothing was written
+        written = [] if session.atomic else _failed_modules(failed)  # atomic: nothing was written
         raise _NonFiniteOnReload.wrap(error, updated, non_finite_modules=written) from error
-    for module in session.modules.values():  # a partial reload's units still queued (Limitations 9)
-        info = get_layerwise_info(module)
-        if info.pending_units:
-            _process_pending_units(module, info)
     problems = []
     for module in session.modules.values():
         info = get_layerwise_info(module)
