@@ -76,3 +76,23 @@ def test_an_iterator_still_stops_at_the_nan(pair):
         layerwise.reload_weights(model, iter(_pinned(b, key)))
     assert e.value.key == key and "found at the end of the stream" not in str(e.value)
     assert "model.layers.2.mlp.down_proj" not in e.value.updated_modules
+
+
+@pytest.mark.parametrize("scheme", [None, "fp8-per-tensor", "fp8-per-block"], ids=lambda s: s or "bf16")
+def test_streaming_a_pinned_moe_list_never_synchronizes(tmp_path_factory, scheme):
+    """MoE experts (unit-wise modules) defer their checks too: each expert's replay, scale and quantize stay on the
+    device (tests/test_reload_deferred.py forces the same on the CPU)."""
+    from tests.moe_helpers import checkpoint_pair
+
+    _, a, b = checkpoint_pair(tmp_path_factory, "Qwen3MoeForCausalLM", "cuda-moe")
+    model = layerwise.load_model(a, quantization=scheme, device="cuda")
+    stream = _pinned(b)
+    with layerwise_session(model, defer_checks=True):
+        torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
+        try:
+            stream_weights(model, stream)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    fresh = layerwise.load_model(b, quantization=scheme, device="cuda").state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(_bytes(t), _bytes(fresh[name])), name
