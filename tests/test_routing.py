@@ -1,6 +1,8 @@
 """layerwise/routing.py: checkpoint keys reach the right parameter and shard, on a small module tree
 built from the real layers (no checkpoint, no quantization)."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -86,3 +88,10 @@ def test_kernel_format_parameters_are_refused():
     block.self_attn.o_proj.weight = nn.Parameter(torch.zeros(6, 4))  # as after process_weights_after_loading
     with pytest.raises(UnexpectedWeightError, match="kernel format"):
         load_weights(block, [("self_attn.o_proj.weight", torch.zeros(6, 4))])
+
+
+@pytest.mark.parametrize("layer,shards", [("gate_up_proj", "[0, 1]"), ("self_attn.qkv_proj", "['q', 'k', 'v']")])
+def test_an_unknown_shard_id_names_the_layer_and_its_shards(layer, shards):
+    module = _Block().get_submodule(layer)
+    with pytest.raises(ValueError, match=f"no shard_id 'x' \\(shards: {re.escape(shards)}\\)"):
+        module.weight_loader(module.weight, torch.zeros(3, 6), "x")

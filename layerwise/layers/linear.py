@@ -77,6 +77,14 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: ModelWeightParameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """Write the checkpoint tensor ``loaded_weight`` (CPU, float, full unsharded size) into this rank's part of
+        ``param`` (this layer's weight [out, in] or bias [out]); ``shard_id`` names the fused part it fills (a
+        value of ``checkpoint_shards``), None for the whole tensor.
+
+        Raises:
+            WeightShapeError: the tensor does not have the full shape of the region (names both shapes).
+            ValueError: a ``shard_id`` this layer does not have.
+        """
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +154,9 @@ class ColumnParallelLinear(LinearBase):
         )
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        """As :meth:`LinearBase.weight_loader`: rows [r * O_i / N, (r + 1) * O_i / N) of the [O_i, in] checkpoint
+        tensor of shard i go to this rank's rows of shard i; shard_id None: the whole fused [sum(O_i), in] tensor,
+        split into its shards."""
         if shard_id is None:  # the whole (possibly fused) checkpoint tensor: split it into its parts
             total = sum(self.full_sizes)
             for i in range(len(self.full_sizes)):
@@ -196,7 +207,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self._shard_indices = {shard_id: i for i, shard_id in enumerate(self.checkpoint_shards.values())}
 
     def _shard_index(self, shard_id: Hashable) -> int:
-        return self._shard_indices[shard_id]
+        try:
+            return self._shard_indices[shard_id]
+        except KeyError:
+            raise ValueError(
+                f"{self.prefix or type(self).__name__}: no shard_id {shard_id!r} (shards: {list(self._shard_indices)})"
+            ) from None
 
 
 def qkv_partition(num_heads: int, num_kv_heads: int, tp: TPContext, prefix: str = "") -> tuple[int, int, int, int]:
@@ -291,6 +307,8 @@ class RowParallelLinear(LinearBase):
         )
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
+        """As :meth:`LinearBase.weight_loader`: columns [r * in / N, (r + 1) * in / N) of the [out, in] checkpoint
+        weight go to this rank; the bias [out] is replicated. Takes no ``shard_id`` (ValueError)."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} takes no shard_id, got {shard_id!r}")
         if param.input_dim is None:  # bias: replicated
