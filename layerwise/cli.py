@@ -19,9 +19,12 @@ from pathlib import Path
 import torch
 
 from layerwise.api import LoadReport, load_model_with_report
+from layerwise.checkpoint import CONFIG_NAME
 from layerwise.dtypes import parse_dtype
 from layerwise.errors import LayerwiseError
+from layerwise.kernels import KERNELS
 from layerwise.quant.config import parse_scheme, scheme_names
+from layerwise.quant.fp8 import FP8_MODES
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -83,7 +86,7 @@ def _checkpoint_dir(path: str, option: str) -> str:
     if p.is_dir():
         return str(p)
     if p.is_file():
-        if (p.parent / "config.json").is_file():
+        if (p.parent / CONFIG_NAME).is_file():
             print(f"layerwise: {option} {path} is a file; using its checkpoint directory {p.parent}", file=sys.stderr)
             return str(p.parent)
         raise UsageError(
@@ -154,21 +157,20 @@ def _load(args) -> int:
 
 
 def _demo(args) -> int:
-    from layerwise.demo import demo_checkpoint, greedy_tokens
+    from layerwise.demo import PROMPT, demo_checkpoint, greedy_tokens
 
     _device(args.device)
     path = demo_checkpoint(args.cache_dir)
     print(f"demo checkpoint (random BF16 Qwen3, generated locally): {path}")
     model, report = load_model_with_report(path, "fp8", args.device, progress=True)
     print(format_report(report))
-    prompt = [1, 17, 42, 7]
-    tokens = greedy_tokens(model, prompt, args.tokens)
-    print(f"greedy tokens after prompt {prompt}: {tokens}")
+    tokens = greedy_tokens(model, PROMPT, args.tokens)
+    print(f"greedy tokens after prompt {PROMPT}: {tokens}")
     return 0
 
 
 def _reload(args) -> int:
-    from layerwise.demo import demo_checkpoint
+    from layerwise.demo import PROMPT, demo_checkpoint
     from layerwise.engine import Engine
 
     if (args.path_a is None) != (args.path_b is None):
@@ -176,7 +178,7 @@ def _reload(args) -> int:
     _device(args.device)
     path_a = _checkpoint_dir(args.path_a, "PATH_A") if args.path_a else demo_checkpoint(args.cache_dir, seed=0)
     path_b = _checkpoint_dir(args.path_b, "PATH_B") if args.path_b else demo_checkpoint(args.cache_dir, seed=1)
-    prompts = [[1, 17, 42, 7], [5, 3]]
+    prompts = [PROMPT, [5, 3]]
     engine = Engine.from_pretrained(
         path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization, device=args.device
     )
@@ -230,6 +232,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``layerwise`` argument parser: commands load, demo, reload, sync-demo and bench."""
+    from layerwise.sync_demo import DEFAULT_TIMEOUT_SECONDS
+
     parser = _Parser(prog="layerwise", description=__doc__.split("\n\n")[0])
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -248,10 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--kernel",
         default=None,
-        choices=["torch", "triton"],
+        choices=KERNELS,
         help="FP8 quantization kernels (default: triton on cuda, torch on cpu)",
     )
-    load.add_argument("--fp8-mode", default="auto", choices=["auto", "w8a8", "w8a16"])
+    load.add_argument("--fp8-mode", default="auto", choices=FP8_MODES)
     load.add_argument("--report", default=None, metavar="FILE.json", help="write the summary as JSON")
     load.set_defaults(func=_load)
     demo = sub.add_parser("demo", help="generate a small BF16 Qwen3 checkpoint, load it as FP8, generate")
@@ -278,7 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("path", nargs="?", default=None, help="default: the demo checkpoint")
     sync.add_argument("--cache-dir", default=None)
     sync.add_argument("--tokens", type=int, default=8)
-    sync.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="bound on every wait (default 60)")
+    sync.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help=f"bound on every wait (default {DEFAULT_TIMEOUT_SECONDS:g})",
+    )
     sync.set_defaults(func=_sync_demo)
     sub.add_parser("bench", help="peak-memory and load-time benchmark (layerwise bench --help)", add_help=False)
     return parser

@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from layerwise.checkpoint import CONFIG_NAME, INDEX_FILE
+
+PROMPT = [1, 17, 42, 7]  # token ids the demos continue greedily (load, reload, sync-demo)
 DEMO_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -91,9 +94,9 @@ def write_checkpoint(path: str | os.PathLike, config: dict, seed: int = 0, max_s
         save_file(shard, str(path / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
     total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
-    with open(path / "model.safetensors.index.json", "w") as f:
+    with open(path / INDEX_FILE, "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(path / "config.json", "w") as f:
+    with open(path / CONFIG_NAME, "w") as f:
         json.dump(config, f, indent=2)
     return path
 
@@ -105,7 +108,7 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None, seed: int = 0) -
     """
     name = "demo-qwen3-8l" if seed == 0 else f"demo-qwen3-8l-seed{seed}"
     path = Path(cache_dir or default_cache_dir()) / name
-    if not (path / "model.safetensors.index.json").exists():
+    if not (path / INDEX_FILE).exists():
         write_checkpoint(path, DEMO_CONFIG, seed=seed)
     return path
 

@@ -40,10 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerwise.checkpoint import CONFIG_NAME, SINGLE_FILE
+from layerwise.demo import PROMPT
 from layerwise.errors import LayerwiseError, WeightTransferError
 from layerwise.optional import import_optional
 
-PROMPT = [1, 17, 42, 7]  # the engine continues this prompt greedily, before and after the update
 TRAIN_SEQUENCE = PROMPT + [101, 102, 103, 104, 105, 106, 107, 108]  # the trainer's language-modeling data
 LEARNING_RATE = 3e-3  # one AdamW step moves every weight by about this much: greedy tokens change
 PACKED_BUFFER_SIZE_BYTES = 8 << 20  # 8 MiB buckets: the demo checkpoint (52 MiB) travels in several
@@ -220,8 +221,8 @@ def write_sent_weights(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(dict(weights), str(out / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(Path(checkpoint) / "config.json", out / "config.json")
+    save_file(dict(weights), str(out / SINGLE_FILE), metadata={"format": "pt"})
+    shutil.copy(Path(checkpoint) / CONFIG_NAME, out / CONFIG_NAME)
     return out
 
 
@@ -241,8 +242,9 @@ def trainer_main(
     the weights (``trainer_send_weights``, packed), writes them to ``check_dir``, puts ``("sent", {...})``
     and waits for ``"exit"`` on ``commands`` (at most the group's ``timeout_seconds``) before leaving
     the group. Any error is put as ``("error", "Type: message")`` and the process exits with code 1,
-    without a traceback. ``fault="die-before-send"``: once the engine has joined the group too (it puts
-    ``"joined"`` on ``commands`` when a fault is injected), exit with code 3 without sending.
+    without a traceback (Ctrl-C: code 130, also without one). ``fault="die-before-send"``: once the engine
+    has joined the group too (it puts ``"joined"`` on ``commands`` when a fault is injected), exit with code 3
+    without sending.
     """
     try:
         _trainer(checkpoint, init_info, replies, commands, check_dir, lr, fault)
@@ -251,6 +253,8 @@ def trainer_main(
         replies.close()
         replies.join_thread()
         raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C reaches both processes: the engine process reports it, this one leaves quietly
+        raise SystemExit(130) from None
 
 
 def _trainer(checkpoint, init_info, replies, commands, check_dir, lr, fault) -> None:
