@@ -23,7 +23,8 @@ from layerwise.memory import DeviceMemoryTracker, tensor_bytes
 from layerwise.quant.config import QuantConfig
 from layerwise.registry import get_model_class
 from layerwise.reload.kernel_format import copy_kernel_tensors
-from layerwise.reload.session import layerwise_session, record_metadata_for_reloading
+from layerwise.reload.session import layerwise_session, model_defers_checks, record_metadata_for_reloading
+from layerwise.reload.types import ReloadReport
 from layerwise.routing import stream_weights
 
 Weights = str | os.PathLike | Iterable[tuple[str, torch.Tensor]]
@@ -82,30 +83,6 @@ class LoadReport:
             d.pop("timeline")
         d["overhead_per_layer"] = self.overhead_per_layer
         return d
-
-
-@dataclass
-class ReloadReport:
-    """What a reload changed.
-
-    Attributes:
-        updated_modules: prefixes of the modules (with parameters of their own) whose kernel
-            tensors received new values, e.g. "model.layers.0.self_attn.qkv_proj"; for a
-            kernel-format reload, the parameter and buffer names written.
-        seconds: wall-clock duration.
-        peak_buffered_bytes: most bytes of incoming tensors held (on CPU) by modules waiting for
-            their remaining tensors; 0 for a stream that arrives one whole module at a time on CPU
-            memory it already owns (memory-mapped checkpoint views are counted too).
-    """
-
-    updated_modules: list = field(default_factory=list)
-    seconds: float = 0.0
-    peak_buffered_bytes: int = 0
-
-    @property
-    def updated_decoder_layers(self) -> list[int]:
-        """Indices of the decoder layers at least one of whose modules was updated."""
-        return sorted({int(p.split(".")[2]) for p in self.updated_modules if p.startswith("model.layers.")})
 
 
 class _Progress:
@@ -387,15 +364,6 @@ def _defers_checks(model: nn.Module, stream) -> bool:
     holds its tensors until the call returns; an iterator may refill a buffer it handed out) of a model that
     :func:`model_defers_checks`."""
     return isinstance(stream, (list, tuple)) and model_defers_checks(model)
-
-
-def model_defers_checks(model: nn.Module) -> bool:
-    """Whether ``model``'s reloads of a list and its checkpoint-format weight updates defer their NaN/Inf checks
-    (Limitations 12): on CUDA (on the CPU no device waits for the host), without tensor parallelism (a NaN must
-    fail every rank's amax reduction at once)."""
-    if getattr(model, "tp_group", None) is not None:
-        return False
-    return any(p.device.type == "cuda" for p in model.parameters())
 
 
 def model_digest(model: nn.Module) -> dict[str, str]:

@@ -45,6 +45,15 @@ def test_imports_flow_layerwise_to_quant_to_kernels(folder):
                 assert ok, f"{path.relative_to(ROOT)} imports {name}"
 
 
+@pytest.mark.parametrize("folder", ["reload", "transfer", "layers", "models"])
+def test_the_machinery_below_the_public_api_never_imports_it(folder):
+    """layerwise.api is the facade over the session, routing and transfer machinery: they must not reach back up
+    through it (STYLE rule 4: hidden coupling)."""
+    for path in (ROOT / "layerwise" / folder).rglob("*.py"):
+        for name in _imports(path):
+            assert name != "layerwise.api", f"{path.relative_to(ROOT)} imports {name}"
+
+
 def test_the_wheel_installs_only_the_layerwise_namespace():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert all(p == "layerwise" or p.startswith("layerwise.") for p in config["packages"])

@@ -69,7 +69,7 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the
    all-or-nothing behaviour.
 12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple, and a checkpoint-format weight
-   update, on CUDA without tensor parallelism: ``api.model_defers_checks``) makes no host read of its own
+   update, on CUDA without tensor parallelism: ``session.model_defers_checks``) makes no host read of its own
    while it streams modules
    (BF16, FP8, and torchao weights of a shape already checked against torchao's bytes), so the GPU is
    not left idle while Python routes the next module: its NaN/Inf checks (``check_finite``, the FP8

@@ -525,6 +525,15 @@ def _defer(session: ReloadSession, prefix: str, flags: list[torch.Tensor], loads
         session.deferred.append(DeferredCheck(prefix, flag, loads))
 
 
+def model_defers_checks(model: nn.Module) -> bool:
+    """Whether ``model``'s reloads of a list and its checkpoint-format weight updates defer their NaN/Inf checks
+    (Limitations 12): on CUDA (on the CPU no device waits for the host), without tensor parallelism (a NaN must
+    fail every rank's amax reduction at once)."""
+    if getattr(model, "tp_group", None) is not None:
+        return False
+    return any(p.device.type == "cuda" for p in model.parameters())
+
+
 def on_device(device: torch.device):
     """The session's CUDA device made current (Triton launches on the current device's stream, torch ops on the
     tensors' device: with the model on cuda:1 both must be cuda:1's); nothing for other devices."""

@@ -243,3 +243,27 @@ def unwritten_in_range(writes: list, start: int, stop: int) -> int:
         keep = hi > lo
         clipped.extend((np.array([a - start]), int(b - a)) for a, b in zip(lo[keep], hi[keep], strict=True))
     return coverage(clipped, stop - start)[0]
+
+
+@dataclass
+class ReloadReport:
+    """What a reload changed.
+
+    Attributes:
+        updated_modules: prefixes of the modules (with parameters of their own) whose kernel
+            tensors received new values, e.g. "model.layers.0.self_attn.qkv_proj"; for a
+            kernel-format reload, the parameter and buffer names written.
+        seconds: wall-clock duration.
+        peak_buffered_bytes: most bytes of incoming tensors held (on CPU) by modules waiting for
+            their remaining tensors; 0 for a stream that arrives one whole module at a time on CPU
+            memory it already owns (memory-mapped checkpoint views are counted too).
+    """
+
+    updated_modules: list = field(default_factory=list)
+    seconds: float = 0.0
+    peak_buffered_bytes: int = 0
+
+    @property
+    def updated_decoder_layers(self) -> list[int]:
+        """Indices of the decoder layers at least one of whose modules was updated."""
+        return sorted({int(p.split(".")[2]) for p in self.updated_modules if p.startswith("model.layers.")})

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerwise.api import ReloadReport, model_defers_checks
 from layerwise.errors import (
     LayerwiseError,
     ReloadError,
@@ -44,8 +43,10 @@ from layerwise.reload.session import (
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,
+    model_defers_checks,
     on_device,
 )
+from layerwise.reload.types import ReloadReport
 from layerwise.routing import stream_weights
 from layerwise.transfer.base import WeightTransferEngine, WeightTransferError, WeightTransferUpdateRequest
 
