@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels.reference import FP8_DTYPE, scale_shape
+from layerwise.kernels.reference import FP8_DTYPE, GRANULARITY_CODES, scale_shape
 
 ABI_VERSION = 5  # _cpu_fp8.ABI_VERSION of the C source this module calls
 
@@ -40,7 +40,6 @@ if _cpu_fp8 is not None and getattr(_cpu_fp8, "ABI_VERSION", 0) != ABI_VERSION:
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 PIECE_COLUMNS = 5  # a piece's row of the batch table: src, dst, numel, its weight's first scale, its first row
-GRANULARITY_CODES = {"tensor": 0, "channel": 1, "block": 2}
 
 
 def available() -> bool:

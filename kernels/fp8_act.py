@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from layerwise.kernels.reference import FP8_DTYPE
+from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE
 from layerwise.kernels.triton_common import (
     abs_nan_to_inf,
     as_kernel_input,
@@ -44,7 +44,7 @@ from layerwise.kernels.triton_common import (
     triton,
 )
 
-GROUP_SIZE = 128  # columns per scale of the "group" layout (the 128 x 128 weight block's width)
+GROUP_SIZE = BLOCK_SIZE[1]  # columns per scale of the "group" layout: the 128 x 128 weight block's width
 ACT_GRANULARITIES = ("tensor", "token", "group")
 MAX_PARTIALS = 1024  # most programs of the per-tensor amax launch (a power of two)
 # One program's tile for per-token / per-tensor programs: (rows, columns); programs loop over the columns in

@@ -52,9 +52,8 @@ from typing import NamedTuple
 import torch
 
 from layerwise.kernels.fp8_act import GROUP_SIZE, quantize_activation, quantize_bits, scale_of
-from layerwise.kernels.fp8_tiles import SCALE_MODES
 from layerwise.kernels.gemm_configs import tuned_fields
-from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, scale_layout
+from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, GRANULARITY_CODES, scale_layout
 from layerwise.kernels.triton_common import (
     HAS_TRITON,
     abs_nan_to_inf,
@@ -464,7 +463,7 @@ def w8a16_gemm(
     x_bits, is_bf16 = as_kernel_input(x)
     bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else None
     out_bits = as_kernel_input(out)[0]
-    mode = SCALE_MODES[granularity]
+    mode = GRANULARITY_CODES[granularity]
     _run(
         _w8a16_gemm_kernel, x.device, m, n, k, tiles,
         (x_bits, weight.view(torch.uint8), scale, bias_bits if bias is not None else x_bits, out_bits),
@@ -586,7 +585,7 @@ def _w8a8(x_operands, x_cols, x_quant, weight, weight_scale, granularity, out_dt
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     weight_scale = weight_scale.to(torch.float32).contiguous()
-    w_cols = weight_scale.shape[1] if granularity == "block" else SCALE_MODES[granularity]  # per tensor: stride 0
+    w_cols = weight_scale.shape[1] if granularity == "block" else GRANULARITY_CODES[granularity]  # per tensor: stride 0
     bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else None
     out_bits = as_kernel_input(out)[0]
     if x_quant:
@@ -596,8 +595,8 @@ def _w8a8(x_operands, x_cols, x_quant, weight, weight_scale, granularity, out_dt
     _run(
         _w8a8_gemm_kernel, x.device, m, n, k, tiles,
         (*x_operands, weight.view(torch.uint8), weight_scale, bias_bits if bias is not None else out_bits, out_bits),
-        (x_cols, w_cols), (weight_scale, bias_bits, out, SCALE_MODES["block"]),
-        OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, SCALE_MODE=SCALE_MODES[granularity],
+        (x_cols, w_cols), (weight_scale, bias_bits, out, GRANULARITY_CODES["block"]),
+        OUT_BF16=out_dtype == torch.bfloat16, HAS_BIAS=bias is not None, SCALE_MODE=GRANULARITY_CODES[granularity],
         FP8_NATIVE=x.device.type == "cuda", X_QUANT=x_quant,
     )  # fmt: skip
     return out

@@ -13,7 +13,14 @@ kernels run on sm_80 and newer, and under the interpreter on CPU.
 
 import torch
 
-from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, GRANULARITIES, scale_layout, scale_shape
+from layerwise.kernels.reference import (
+    BLOCK_SIZE,
+    FP8_DTYPE,
+    GRANULARITIES,
+    GRANULARITY_CODES,
+    scale_layout,
+    scale_shape,
+)
 from layerwise.kernels.triton_common import (
     abs_nan_to_inf,
     as_kernel_input,
@@ -32,8 +39,6 @@ from layerwise.kernels.triton_common import (
     tl,
     triton,
 )
-
-SCALE_MODES = {"tensor": 0, "channel": 1, "block": 2}
 
 
 def _amax_kernel(
@@ -178,7 +183,7 @@ def _launch(fn, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, granula
         n_rows,
         n_cols,
         scale_cols,
-        SCALE_MODE=SCALE_MODES[granularity],
+        SCALE_MODE=GRANULARITY_CODES[granularity],
         BLOCK_N=BLOCK_SIZE[0],
         BLOCK_K=BLOCK_SIZE[1],
         TILE_N=tile_n,
@@ -248,4 +253,4 @@ def dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return out
 
 
-__all__ = ["SCALE_MODES", "amax_triton", "dequantize_triton", "quantize_triton"]
+__all__ = ["amax_triton", "dequantize_triton", "quantize_triton"]

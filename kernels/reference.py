@@ -29,6 +29,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 BLOCK_SIZE = (128, 128)
 GRANULARITIES = ("tensor", "channel", "block")
+# a granularity as the kernels take it (a Triton constexpr SCALE_MODE, the C extension's granularity argument)
+GRANULARITY_CODES = {g: i for i, g in enumerate(GRANULARITIES)}
 # Elements handled per step of the chunked loops: bounds the float32 temporaries to 1 MiB (larger chunks raise
 # a load's peak over the model, which the peak-memory tests bound, at no measurable speed gain).
 CHUNK_NUMEL = 1 << 18

@@ -34,8 +34,8 @@ from layerwise.kernels.fp8_gemm import (
     _w8a16_gemm_kernel,
     dot_dtype,
 )
-from layerwise.kernels.fp8_tiles import SCALE_MODES, _amax_kernel, _dequantize_kernel, _quantize_kernel
-from layerwise.kernels.reference import ACT_GRANULARITY, BLOCK_SIZE
+from layerwise.kernels.fp8_tiles import _amax_kernel, _dequantize_kernel, _quantize_kernel
+from layerwise.kernels.reference import ACT_GRANULARITY, BLOCK_SIZE, GRANULARITY_CODES
 from layerwise.kernels.triton_common import TILE_CUDA
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -101,7 +101,7 @@ def cuda_variants(index_type: str = "i32") -> Iterator[KernelVariant]:
                 _signature(_amax_kernel, types, const),
                 const,
             )
-        for granularity, mode in SCALE_MODES.items():
+        for granularity, mode in GRANULARITY_CODES.items():
             common = dict(
                 SCALE_MODE=mode, BLOCK_N=BLOCK_SIZE[0], BLOCK_K=BLOCK_SIZE[1], TILE_N=TILE_CUDA[0], TILE_K=TILE_CUDA[1]
             )
@@ -232,7 +232,7 @@ def gemm_variants() -> Iterator[KernelVariant]:
             forms = [(True, fp8_targets)] + ([(False, (80,))] if sm80 else [])
             for native, targets in forms:
                 const = dict(
-                    IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[granularity], FP8_NATIVE=native,
+                    IS_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=GRANULARITY_CODES[granularity], FP8_NATIVE=native,
                     DOT_DTYPE=dot_dtype(dtype, cuda), SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                     **m_const,
                 )  # fmt: skip
@@ -250,7 +250,7 @@ def gemm_variants() -> Iterator[KernelVariant]:
             weights = {a: w for w, a in ACT_GRANULARITY.items()}[granularity] if dynamic else granularity
             x_const = {"x_scale_cols": 1} if dynamic and granularity == "token" else {}  # Triton's 1 specialization
             const = dict(
-                OUT_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=SCALE_MODES[weights], FP8_NATIVE=True,
+                OUT_BF16=is_bf16, HAS_BIAS=has_bias, SCALE_MODE=GRANULARITY_CODES[weights], FP8_NATIVE=True,
                 X_QUANT=dynamic, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **m_const, **x_const,
             )  # fmt: skip
             yield KernelVariant(
@@ -262,7 +262,7 @@ def gemm_variants() -> Iterator[KernelVariant]:
     for dtype in ACT_DTYPES:
         ptr = POINTER_TYPES[dtype]
         types = dict(partial_ptr="*fp32", scale_ptr="*fp32", bias_ptr=ptr, out_ptr=ptr, m="i32", n="i32", splits="i32")
-        for granularity, mode in SCALE_MODES.items():
+        for granularity, mode in GRANULARITY_CODES.items():
             for m_const in ({}, {"m": 1}):
                 const = dict(
                     OUT_BF16=dtype == torch.bfloat16, HAS_BIAS=True, SCALE_MODE=mode, BLOCK=REDUCE_BLOCK, **m_const

@@ -48,6 +48,7 @@ from layerwise.kernels import (
     fp8_scale,
     fp8_scale_pieces_batch,
     pieces_fit,
+    scale_shape,
 )
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
@@ -57,11 +58,7 @@ MOE_SCHEMES = ("none", "fp8-per-tensor", "fp8-per-channel", "fp8-per-block")
 
 def expert_scale_shape(num_experts: int, n: int, k: int, granularity: str) -> tuple[int, ...]:
     """Shape of the scale of an [E, N, K] expert weight: [E], [E, N, 1] or [E, ceil(N/128), ceil(K/128)]."""
-    if granularity == "tensor":
-        return (num_experts,)
-    if granularity == "channel":
-        return (num_experts, n, 1)
-    return (num_experts, -(-n // BLOCK_SIZE[0]), -(-k // BLOCK_SIZE[1]))
+    return (num_experts, *scale_shape((n, k), granularity))
 
 
 def _round_up(x: int, multiple: int) -> int:
