@@ -71,7 +71,15 @@ def require_finite(t: torch.Tensor, message: str) -> None:
 
 
 def fp8_amax(w: torch.Tensor, granularity: str = "tensor", kernel: str = "torch") -> torch.Tensor:
-    """max(|w|) per group as float32 of :func:`scale_shape` (non-finite where w is)."""
+    """max(|w|) per group as float32 of :func:`scale_shape` (non-finite where w is): :func:`reference.amax`,
+    natively on CPU where :func:`cpu_native.supports` ``w``, or Triton.
+
+    Args:
+        w: bf16 / fp16 / fp32 tensor; 2-D [N, K] for "channel" and "block".
+        granularity: "tensor", "channel" or "block".
+    Raises:
+        ValueError: an unknown granularity, or a per-channel / per-block ``w`` that is not 2-D.
+    """
     if kernel == "triton":
         from layerwise.kernels.ops import fp8_amax_triton
 
@@ -100,10 +108,15 @@ def fp8_quantize(
     within_range: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Quantize ``w`` with ``scale`` (layout read off its shape) to float8_e4m3fn of w's shape.
+    """Quantize ``w`` (bf16 / fp16 / fp32) with ``scale`` (float32; layout read off its shape: 1 element,
+    [N, 1] or [ceil(N/128), ceil(K/128)]) to float8_e4m3fn of w's shape.
 
-    ``within_range``: as in :func:`reference.quantize` (the torch reference then skips its clamp).
+    ``within_range``: as in :func:`reference.quantize` (the torch reference then skips its clamp; the Triton
+    kernel clamps either way, with the same bytes).
     ``out``: a contiguous float8_e4m3fn tensor of w's shape on w's device, written in place and returned.
+
+    Raises:
+        ValueError: a scale shape that fits no layout for ``w`` (:func:`reference.scale_layout`).
     """
     if kernel == "triton":
         from layerwise.kernels.ops import fp8_quantize_triton
@@ -240,7 +253,8 @@ def _quantize_pieces_with(
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernel: str = "torch") -> torch.Tensor:
-    """float32(q) * scale cast to ``dtype``; shape of q."""
+    """float32(q) * scale cast to ``dtype``, shape of ``q`` (float8_e4m3fn); ``scale`` float32 of 1 element, [N, 1] or
+    [ceil(N/128), ceil(K/128)]. Raises ValueError for a scale shape that fits no layout for ``q``."""
     if kernel == "triton":
         from layerwise.kernels.ops import fp8_dequantize_triton
 

@@ -275,6 +275,8 @@ def quantize(
             byte (torch's e4m3 cast rounds every value below 464 to at most 448, as after the clamp).
     Returns:
         float8_e4m3fn tensor of w's shape (``out`` when given). ``w`` is never modified.
+    Raises:
+        ValueError: a scale shape that fits no layout for ``w`` (:func:`scale_layout`).
     Work is done in row chunks, so the float32 temporaries stay <= 1 MiB.
     """
     granularity = scale_layout(w, scale)
@@ -347,7 +349,8 @@ def _quantize_widened(
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize`: (float32(q) * scale) cast to ``dtype``, shape of q."""
+    """Inverse of :func:`quantize`: (float32(q) * scale) cast to ``dtype``, shape of q. Raises ValueError for a
+    scale shape that fits no layout for ``q`` (:func:`scale_layout`)."""
     granularity = scale_layout(q, scale)
     if granularity == "tensor":
         return (q.to(torch.float32) * scale.float().reshape(())).to(dtype)

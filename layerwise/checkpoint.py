@@ -145,7 +145,9 @@ class LazyTensor:
         return LazyTensor(self.checkpoint, self.key, tuple(box))
 
     def materialize(self) -> torch.Tensor:
-        """Read the box from the file (see the class docstring)."""
+        """Read the box from the file (see the class docstring): a CPU tensor of :attr:`shape` in the file's dtype
+        (a memory-mapped view for the whole tensor, a copy for a slice). Raises what safetensors raises for an
+        unreadable file (OSError, SafetensorError)."""
         handle = self.checkpoint._open(self.checkpoint.tensors[self.key].file)
         if all((start, stop) == (0, n) for (start, stop), n in zip(self.box, self.full_shape, strict=True)):
             tensor = handle.get_tensor(self.key)
@@ -274,7 +276,8 @@ class Checkpoint:
         return out
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        """The tensor ``key`` as a CPU view of the memory-mapped file (nothing is copied)."""
+        """The tensor ``key`` as a CPU view of the memory-mapped file, in the file's dtype (nothing is copied).
+        Raises KeyError for a key the checkpoint does not hold (:attr:`keys` lists them)."""
         return self._open(self.tensors[key].file).get_tensor(key)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -297,6 +297,16 @@ class Fp8LinearMethod(QuantMethod):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ W^T + bias for x [..., in] (bf16/fp16/fp32) -> y [..., out] in x.dtype, from the float8_e4m3fn
+        weight [out, in] and its float32 scale: W8A8 (x quantized per tensor / token / token group, then
+        ``_scaled_mm`` or a Triton GEMM) where :meth:`_use_scaled_mm` or the per-block Triton path applies, else
+        W8A16 (the Triton GEMM up to ``W8A16_GEMM_MAX_M`` rows on CUDA, else dequantize + ``F.linear``).
+
+        Raises:
+            RuntimeError: mode "w8a8" where it cannot run: ``_scaled_mm`` lacks the device, shape or scale layout
+                (row-wise scales on a CPU torch without them included), or per-block weights off CUDA sm89+,
+                without kernel "triton" or with fp32 activations. The message names the fp8_mode to use.
+        """
         weight, scale = layer.weight, getattr(layer, self.scale_name)
         use_scaled_mm = self._scaled_mm.get(x.dtype)
         if use_scaled_mm is None:  # weight device and shape never change after loading

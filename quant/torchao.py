@@ -520,4 +520,5 @@ class TorchaoLinearMethod(QuantMethod):
         layer.weight = live if live is not None else nn.Parameter(quantized, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` with the torchao tensor subclass weight: torchao dispatches the quantized matmul."""
         return F.linear(x, layer.weight, bias)

@@ -18,6 +18,7 @@ class RMSNorm(nn.Module):
         self.weight = ModelWeightParameter(torch.empty(hidden_size, dtype=params_dtype), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> the same shape and dtype."""
         # torch's rms_norm, x * rsqrt(mean(x^2) + eps): one fused kernel on CUDA (aten._fused_rms_norm) where the
         # spelled-out formula takes five. For bf16/fp16 x it computes in float32 and rounds once to x's dtype,
         # as transformers' x.float() ... .to(dtype) does, without the two casts as kernels of their own; then the

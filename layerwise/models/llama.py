@@ -50,6 +50,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> [..., hidden] in x.dtype."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -201,6 +202,8 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple | None = None,
         attn_metadata: AttentionMetadata | None = None,
     ) -> torch.Tensor:
+        """x [B, T, hidden] at int64 positions [B, T] -> [B, T, hidden]; ``kv_cache`` and ``attn_metadata`` as in
+        :meth:`LlamaAttention.forward`."""
         h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
         return h + self._modules[self.mlp_name](self.post_attention_layernorm(h))
 
@@ -227,6 +230,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list | None = None) -> torch.Tensor:
+        """input_ids and positions int64 [B, T] -> final-norm hidden states [B, T, hidden] in the model's dtype.
+
+        ``kv_caches``: None (attention over the sequence itself), or one (k_cache, v_cache) per decoder layer,
+        each [B, L, kv heads of this rank, head_dim], written at ``positions`` (``layers.attention.cached_attention``).
+        """
         x = self.embed_tokens(input_ids)
         # once per forward, not once per layer (fewer kernels per decode step): the rotary cos/sin, from the
         # first layer's rotary embedding (every layer's is built from the same config), in the activations'

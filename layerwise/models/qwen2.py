@@ -17,8 +17,12 @@ class Qwen2Attention(LlamaAttention):
 
 
 class Qwen2DecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer with :class:`Qwen2Attention`."""
+
     attention_cls = Qwen2Attention
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    """The Qwen2 causal LM: :class:`LlamaForCausalLM` built of :class:`Qwen2DecoderLayer`."""
+
     decoder_layer_cls = Qwen2DecoderLayer

@@ -33,12 +33,17 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
+        """q [B, T, Hq, head_dim] and k [B, T, Hk, head_dim], each normalized over head_dim; same shapes."""
         return self.q_norm(q), self.k_norm(k)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer with :class:`Qwen3Attention`."""
+
     attention_cls = Qwen3Attention
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    """The Qwen3 causal LM: :class:`LlamaForCausalLM` built of :class:`Qwen3DecoderLayer`."""
+
     decoder_layer_cls = Qwen3DecoderLayer
