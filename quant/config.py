@@ -1,4 +1,5 @@
-"""Quantization schemes: a registry from a scheme name to the method that quantizes each Linear.
+"""Quantization schemes: a registry from a scheme name to the methods that quantize each Linear and, where the
+scheme has one, each fused-MoE layer's experts.
 
 A scheme is registered once with :func:`register_scheme` (as torchao maps a config class to its
 handler); :func:`parse_scheme` turns a user's string into the canonical scheme once, at the edge
@@ -12,9 +13,13 @@ from dataclasses import dataclass, field
 
 from layerwise.quant.base import QuantMethod, UnquantizedLinearMethod
 from layerwise.quant.fp8 import FP8_MODES, Fp8LinearMethod
+from layerwise.quant.fp8_moe import Fp8MoEMethod
+from layerwise.quant.moe_base import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 
 #: (argument after "name:", or None; kernel; fp8_mode; amax_reduce or None) -> a new method for one Linear layer
 SchemeFactory = Callable[[str | None, str, str, Callable | None], QuantMethod]
+#: (kernel, fp8_mode) -> a new method for one fused-MoE layer's [E, N, K] experts
+MoEFactory = Callable[[str, str], FusedMoEMethodBase]
 
 
 @dataclass(frozen=True)
@@ -23,13 +28,16 @@ class _Scheme:
     factory: SchemeFactory
     takes_argument: bool
     help: str
+    moe: MoEFactory | None
 
 
 _SCHEMES: dict[str, _Scheme] = {}
 _ALIASES: dict[str, str] = {}
 
 
-def register_scheme(name: str, *, aliases: tuple = (), takes_argument: bool = False, help: str = ""):
+def register_scheme(
+    name: str, *, aliases: tuple = (), takes_argument: bool = False, help: str = "", moe: MoEFactory | None = None
+):
     """Decorator registering ``factory(argument, kernel, fp8_mode, amax_reduce) -> QuantMethod`` under ``name``.
 
     Args:
@@ -37,6 +45,8 @@ def register_scheme(name: str, *, aliases: tuple = (), takes_argument: bool = Fa
         aliases: other accepted names ("fp8" for "fp8-per-tensor").
         takes_argument: the scheme is written "name:ARG" (torchao:<ConfigClass>).
         help: one line for ``layerwise load --help`` and error messages.
+        moe: ``moe(kernel, fp8_mode)`` -> the method of a fused-MoE layer's experts; None: the scheme cannot
+            quantize fused experts (models with MoE layers refuse it).
     Raises:
         ValueError: the name or an alias is taken.
     """
@@ -46,7 +56,7 @@ def register_scheme(name: str, *, aliases: tuple = (), takes_argument: bool = Fa
             if n in _ALIASES:
                 raise ValueError(f"quantization scheme {n!r} is already registered")
             _ALIASES[n] = name
-        _SCHEMES[name] = _Scheme(name, factory, takes_argument, help)
+        _SCHEMES[name] = _Scheme(name, factory, takes_argument, help, moe)
         return factory
 
     return decorator
@@ -77,17 +87,30 @@ def parse_scheme(text: str | None) -> tuple[str, str | None]:
     return canonical, (argument or None)
 
 
-@register_scheme("fp8-per-tensor", aliases=("fp8",), help="float8_e4m3fn weights, one float32 scale per tensor")
+@register_scheme(
+    "fp8-per-tensor",
+    aliases=("fp8",),
+    help="float8_e4m3fn weights, one float32 scale per tensor",
+    moe=lambda kernel, fp8_mode: Fp8MoEMethod("tensor", kernel, fp8_mode),
+)
 def _fp8_per_tensor(argument, kernel, fp8_mode, amax_reduce):
     return Fp8LinearMethod("tensor", kernel, fp8_mode, amax_reduce)
 
 
-@register_scheme("fp8-per-channel", help="float8_e4m3fn weights, one scale per output row")
+@register_scheme(
+    "fp8-per-channel",
+    help="float8_e4m3fn weights, one scale per output row",
+    moe=lambda kernel, fp8_mode: Fp8MoEMethod("channel", kernel, fp8_mode),
+)
 def _fp8_per_channel(argument, kernel, fp8_mode, amax_reduce):
     return Fp8LinearMethod("channel", kernel, fp8_mode, amax_reduce)
 
 
-@register_scheme("fp8-per-block", help="float8_e4m3fn weights, one scale per 128 x 128 block")
+@register_scheme(
+    "fp8-per-block",
+    help="float8_e4m3fn weights, one scale per 128 x 128 block",
+    moe=lambda kernel, fp8_mode: Fp8MoEMethod("block", kernel, fp8_mode),
+)
 def _fp8_per_block(argument, kernel, fp8_mode, amax_reduce):
     return Fp8LinearMethod("block", kernel, fp8_mode, amax_reduce)
 
@@ -99,7 +122,9 @@ def _torchao(argument, kernel, fp8_mode, amax_reduce):
     return TorchaoLinearMethod(argument)
 
 
-@register_scheme("none", help="the checkpoint dtype (or dtype=), F.linear")
+@register_scheme(
+    "none", help="the checkpoint dtype (or dtype=), F.linear", moe=lambda kernel, fp8_mode: UnquantizedFusedMoEMethod()
+)
 def _none(argument, kernel, fp8_mode, amax_reduce):
     return UnquantizedLinearMethod()
 
@@ -143,3 +168,18 @@ class QuantConfig:
         """A new method for the Linear layer at ``prefix`` (e.g. "model.layers.0.mlp.down_proj")."""
         factory = _SCHEMES[self.scheme.partition(":")[0]].factory
         return factory(self._argument, self.kernel, self.fp8_mode, self.amax_reduce)
+
+    def get_moe_method(self, prefix: str) -> FusedMoEMethodBase:
+        """A new method for the experts of the fused-MoE layer at ``prefix`` (e.g. "model.layers.0.mlp.experts").
+
+        Raises:
+            ValueError: the scheme has no MoE method (torchao configs); the message lists the schemes that do.
+        """
+        moe = _SCHEMES[self.scheme.partition(":")[0]].moe
+        if moe is None:
+            supported = ", ".join(n for n, s in _SCHEMES.items() if s.moe is not None)
+            raise ValueError(
+                f"quantization {self.scheme!r} is not supported for mixture-of-experts layers ({prefix}: torchao "
+                f"configs quantize nn.Linear weights, not fused [E, N, K] experts); use one of {supported}"
+            )
+        return moe(self.kernel, self.fp8_mode)

@@ -51,9 +51,7 @@ from layerwise.kernels import (
     scale_shape,
 )
 from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
-from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase, UnquantizedFusedMoEMethod
-
-MOE_SCHEMES = ("none", "fp8-per-tensor", "fp8-per-channel", "fp8-per-block")
+from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase
 
 
 def expert_scale_shape(num_experts: int, n: int, k: int, granularity: str) -> tuple[int, ...]:
@@ -188,19 +186,3 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             **{dense.scale_name: self._expert_scale(layer, param_name, expert_id)},
         )
         return dense.apply(expert, x, None)
-
-
-def moe_method_for(scheme: str, kernel: str = "torch", fp8_mode: str = "auto") -> FusedMoEMethodBase:
-    """The fused-MoE method for a canonical scheme name (``QuantConfig.scheme``).
-
-    Raises:
-        ValueError: a scheme with no MoE method (torchao configs); the message lists those supported.
-    """
-    if scheme == "none":
-        return UnquantizedFusedMoEMethod()
-    if scheme in MOE_SCHEMES:
-        return Fp8MoEMethod(scheme.rsplit("-", 1)[1], kernel, fp8_mode)
-    raise ValueError(
-        f"quantization {scheme!r} is not supported for mixture-of-experts layers (torchao configs quantize "
-        f"nn.Linear weights, not fused [E, N, K] experts); use one of {', '.join(MOE_SCHEMES)}"
-    )

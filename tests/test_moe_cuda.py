@@ -92,11 +92,11 @@ def test_captured_moe_holds_activations_not_gathered_experts(scheme):
     peak is the graph's activations ([T, 2I] = 64 KiB in bf16) plus any workspace a GEMM library allocates
     through the caching allocator; bounded at 1/8 of the gathered bytes (print the figure to tighten it)."""
     from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, FusedMoE
-    from layerwise.quant.fp8_moe import moe_method_for
+    from layerwise.quant.config import QuantConfig
     from layerwise.quant.moe_base import capture_path
 
     e, h, inter, t, k = 8, 1024, 2048, 8, 2
-    method = moe_method_for(scheme, kernel="triton")
+    method = QuantConfig(scheme, kernel="triton").get_moe_method("moe")
     with torch.device("cuda"):
         experts = FusedMoE(
             e, h, inter, quant_method=method, params_dtype=torch.bfloat16, expert_shards=QWEN_EXPERT_SHARDS

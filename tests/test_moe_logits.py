@@ -6,8 +6,9 @@ import torch
 
 import layerwise
 from layerwise.errors import TensorParallelError
+from layerwise.quant.config import QuantConfig
 from layerwise.quant.fp8 import cpu_rowwise_scaled_mm
-from layerwise.quant.fp8_moe import Fp8MoEMethod, moe_method_for
+from layerwise.quant.fp8_moe import Fp8MoEMethod
 from layerwise.quant.moe_base import UnquantizedFusedMoEMethod
 from tests.hf_checkpoints import MOE_ARCHS, hf_logits, sqnr_db, write_hf_checkpoint
 from tests.moe_helpers import as_bytes, expert_weights, moe_block, torch_fp8_reference
@@ -116,7 +117,7 @@ def test_capture_path_equals_the_expert_loop(scheme):
     the layer is built on the CPU and processed whole (process_weights_after_loading)."""
     from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, FusedMoE
 
-    method = moe_method_for(scheme)
+    method = QuantConfig(scheme).get_moe_method("moe")
     experts = FusedMoE(
         8, 64, 160, quant_method=method, params_dtype=torch.float32, expert_shards=QWEN_EXPERT_SHARDS, prefix="moe"
     )
@@ -142,8 +143,9 @@ def test_scheme_without_moe_method_is_a_clear_error(moe_checkpoint):
     _, path, _ = moe_checkpoint
     with pytest.raises(ValueError, match="not supported for mixture-of-experts.*fp8-per-tensor"):
         layerwise.load_model(path, quantization="torchao:Float8WeightOnlyConfig")
-    assert isinstance(moe_method_for("none"), UnquantizedFusedMoEMethod)
-    assert isinstance(moe_method_for("fp8-per-block"), Fp8MoEMethod)
+    assert isinstance(QuantConfig("none").get_moe_method("moe"), UnquantizedFusedMoEMethod)
+    method = QuantConfig("fp8-per-block", fp8_mode="w8a16").get_moe_method("moe")
+    assert isinstance(method, Fp8MoEMethod) and (method.granularity, method.mode) == ("block", "w8a16")
 
 
 def test_tensor_parallel_moe_is_refused_before_reading(moe_checkpoint):

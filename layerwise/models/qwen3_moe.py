@@ -20,7 +20,6 @@ from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, SparseMoeBlock
 from layerwise.models.llama import LlamaDecoderLayer, LlamaForCausalLM, layer_index
 from layerwise.models.qwen3 import Qwen3Attention
 from layerwise.quant.config import QuantConfig
-from layerwise.quant.fp8_moe import moe_method_for
 
 
 class Qwen3MoeAttention(Qwen3Attention):
@@ -44,7 +43,7 @@ def sparse_moe_block(
     """The MoE block of one decoder layer, its experts quantized as ``quant_config`` says.
 
     Raises:
-        ValueError: a scheme with no MoE method (see :func:`layerwise.quant.fp8_moe.moe_method_for`).
+        ValueError: a scheme with no MoE method (see :meth:`layerwise.quant.config.QuantConfig.get_moe_method`).
         TensorParallelError: ``tp`` has more than one rank.
     """
     return SparseMoeBlock(
@@ -54,7 +53,7 @@ def sparse_moe_block(
         config.moe_intermediate_size,
         renormalize=renormalize,
         scores_in_logits_dtype=scores_in_logits_dtype,
-        quant_method=moe_method_for(quant_config.scheme, quant_config.kernel, quant_config.fp8_mode),
+        quant_method=quant_config.get_moe_method(f"{prefix}.experts"),
         params_dtype=dtype,
         expert_shards=expert_shards,
         prefix=prefix,
