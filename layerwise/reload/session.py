@@ -914,10 +914,11 @@ def layerwise_session(
 ) -> Iterator[ReloadSession]:
     """initialize -> (the caller streams weights) -> finalize, or abort on any error.
 
-    The one session sequence that load, reload and weight sync share (vLLM's start / update /
-    finish). On an error inside the block the session is aborted (every module not yet overwritten
-    keeps its kernel tensors) and ``session.updated_before_abort`` lists the modules that were
-    overwritten; the error propagates unchanged. Errors of finalize itself abort the same way.
+    The session sequence (vLLM's start / update / finish) as load and reload run it, within one call; a
+    weight update (``layerwise.transfer.update.WeightUpdate``), which spans several calls, runs the same three
+    steps from its start / receive / finish / abort. On an error inside the block the session is aborted
+    (every module not yet overwritten keeps its kernel tensors) and ``session.updated_before_abort`` lists the
+    modules that were overwritten; the error propagates unchanged. Errors of finalize itself abort the same way.
 
     Raises:
         RuntimeError: a session is already open on ``model`` (see initialize_layerwise_reload).
