@@ -27,7 +27,7 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _TORCH_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -44,14 +44,21 @@ _TORCH_DTYPES = {
 }
 
 
+def decoder_layer(name: str) -> int | None:
+    """The decoder-layer index i of a checkpoint key or module prefix with a ``layers.<i>`` component
+    ("model.layers.3.mlp.up_proj.weight", "model.layers.3"), else None."""
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
 def layer_group(key: str) -> tuple[int, int]:
     """Sort key placing a tensor by decoder layer: embeddings first, then layer 0..N-1, then the rest.
 
     Returns (0, 0) for ``*embed_tokens*``, (1, i) for ``*.layers.i.*``, (2, 0) otherwise.
     """
-    m = _LAYER_RE.search(key)
-    if m:
-        return (1, int(m.group(1)))
+    i = decoder_layer(key)
+    if i is not None:
+        return (1, i)
     return (0, 0) if "embed_tokens" in key else (2, 0)
 
 

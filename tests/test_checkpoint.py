@@ -2,10 +2,12 @@
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
-from layerwise.checkpoint import Checkpoint, layer_group
+from layerwise.checkpoint import Checkpoint, decoder_layer, layer_group
+from layerwise.reload.types import ReloadReport
 
 
 def test_order_is_by_decoder_layer_not_by_shard(tmp_path):
@@ -51,3 +53,24 @@ def test_single_file_and_streamed_tensors_are_file_views(tmp_path):
     assert ckpt.tensors[key].nbytes == 4 << 16
     # a memory-mapped view, not a private copy: its storage cannot be resized
     assert not t.untyped_storage().resizable()
+
+
+@pytest.mark.parametrize(
+    "name,index",
+    [
+        ("model.layers.3.mlp.up_proj.weight", 3),
+        ("model.layers.12", 12),
+        ("model.layers.0.self_attn.qkv_proj", 0),
+        ("model.embed_tokens.weight", None),
+        ("model.norm.weight", None),
+        ("lm_head.weight", None),
+        ("model.layers_extra.1.weight", None),
+    ],
+)
+def test_decoder_layer_index_of_keys_and_prefixes(name, index):
+    assert decoder_layer(name) == index
+
+
+def test_reload_report_lists_the_decoder_layers_it_touched():
+    report = ReloadReport(["model.layers.2.self_attn.qkv_proj", "lm_head", "model.layers.0.mlp.down_proj.weight"])
+    assert report.updated_decoder_layers == [0, 2]

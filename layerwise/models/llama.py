@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerwise.checkpoint import decoder_layer
 from layerwise.config import ModelConfig
 from layerwise.distributed import NO_TP, TPContext
 from layerwise.errors import ConfigError
@@ -61,10 +62,10 @@ def layer_index(prefix: str) -> int:
     Raises:
         ValueError: the prefix names no decoder layer.
     """
-    parts = prefix.split(".")
-    if len(parts) < 3 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+    index = decoder_layer(prefix) if prefix.startswith("model.layers.") else None
+    if index is None:
         raise ValueError(f"{prefix!r} is not inside a decoder layer (model.layers.<i>)")
-    return int(parts[2])
+    return index
 
 
 class LlamaAttention(nn.Module):

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from layerwise.checkpoint import decoder_layer
+
 
 @dataclass
 class BufferedLoad:
@@ -266,4 +268,4 @@ class ReloadReport:
     @property
     def updated_decoder_layers(self) -> list[int]:
         """Indices of the decoder layers at least one of whose modules was updated."""
-        return sorted({int(p.split(".")[2]) for p in self.updated_modules if p.startswith("model.layers.")})
+        return sorted({i for i in map(decoder_layer, self.updated_modules) if i is not None})
