@@ -28,7 +28,7 @@ block-scaled W8A8 GEMM on sm_89+ (activations per token group of 128) and the Tr
 GPUs. Per-tensor and per-channel weights run the Triton W8A8 GEMM with x quantized inside it
 (``kernels.fp8_gemm.dynamic_w8a8_gemm``) instead of the quantization kernel and ``torch._scaled_mm`` where a
 tuned configuration says it was faster on this GPU. Every W8A16 forward on CUDA
-(mode "w8a16", sm_80, unaligned shapes, fp16 per-channel) decodes the FP8 weight inside a Triton GEMM for up
+(fp8_mode "w8a16", sm_80, unaligned shapes, fp16 per-channel) decodes the FP8 weight inside a Triton GEMM for up
 to ``W8A16_GEMM_MAX_M`` tokens instead of dequantizing the whole weight (``kernels.fp8_gemm``).
 This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
 ``process_weights_after_loading``).
@@ -141,14 +141,14 @@ class Fp8LinearMethod(QuantMethod):
     Args:
         granularity: "tensor", "channel" or "block".
         kernel: "torch" or "triton": the kernels that quantize at load time and dequantize (W8A16).
-        mode: "auto" (W8A8 on CUDA sm89+ when both weight dims are multiples of 16, else W8A16; per-block:
+        fp8_mode: "auto" (W8A8 on CUDA sm89+ when both weight dims are multiples of 16, else W8A16; per-block:
             the Triton block-scaled W8A8 GEMM on CUDA sm89+ with kernel "triton", else W8A16),
             "w8a8" (also on CPU, where it is slow; per-block: CUDA sm89+ with kernel "triton" only), or "w8a16".
         amax_reduce: for per-tensor scales under tensor parallelism, an in-place max-reduction of the
             rank's float32 amax over the group (None: the local amax).
     Raises:
-        ValueError: unknown mode or granularity.
-    The forward raises RuntimeError where mode "w8a8" cannot run (see ``_use_scaled_mm``; per-block: not
+        ValueError: unknown fp8_mode or granularity.
+    The forward raises RuntimeError where fp8_mode "w8a8" cannot run (see ``_use_scaled_mm``; per-block: not
     CUDA sm89+ with kernel "triton" and bf16/fp16 activations).
     """
 
@@ -158,14 +158,14 @@ class Fp8LinearMethod(QuantMethod):
         self,
         granularity: str = "tensor",
         kernel: str = "torch",
-        mode: str = "auto",
+        fp8_mode: str = "auto",
         amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
-        if mode not in FP8_MODES:
-            raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {FP8_MODES}")
+        if fp8_mode not in FP8_MODES:
+            raise ValueError(f"unknown fp8_mode {fp8_mode!r}; choose one of {FP8_MODES}")
         if granularity not in SCALE_NAMES:
             raise ValueError(f"unknown granularity {granularity!r}; choose one of {tuple(SCALE_NAMES)}")
-        self.granularity, self.kernel, self.mode = granularity, kernel, mode
+        self.granularity, self.kernel, self.fp8_mode = granularity, kernel, fp8_mode
         self.amax_reduce = amax_reduce
         self.sharded_dim: str | None = None  # "output" / "input" under tensor parallelism (configure_tp_shard)
         self.scale_name = SCALE_NAMES[granularity]
@@ -249,13 +249,13 @@ class Fp8LinearMethod(QuantMethod):
         Falls back to W8A16 with one logged warning when ``_scaled_mm`` does not take ``dtype``
         for this scale layout (fp16/fp32 with per-channel scales on CUDA).
         Raises:
-            RuntimeError: mode "w8a8" where ``_scaled_mm`` cannot run at all (device, shape).
+            RuntimeError: fp8_mode "w8a8" where ``_scaled_mm`` cannot run at all (device, shape).
         """
-        if self.mode == "w8a16" or self.granularity == "block":
+        if self.fp8_mode == "w8a16" or self.granularity == "block":
             return False
         out_features, in_features = weight.shape
         aligned = weight.device.type != "cuda" or (in_features % 16 == 0 and out_features % 16 == 0)
-        if self.mode == "auto" and not (scaled_mm_preferred(weight.device) and aligned):
+        if self.fp8_mode == "auto" and not (scaled_mm_preferred(weight.device) and aligned):
             return False
         if not (scaled_mm_supported(weight.device, self.granularity) and aligned):
             raise RuntimeError(
@@ -276,7 +276,7 @@ class Fp8LinearMethod(QuantMethod):
     ) -> torch.Tensor | None:
         """The Triton FP8 GEMM forward on CUDA (``kernels.fp8_gemm``), or None where it does not apply.
 
-        Per-block weights on sm_89+ (unless mode "w8a16"): activations quantized per token group of 128,
+        Per-block weights on sm_89+ (unless fp8_mode "w8a16"): activations quantized per token group of 128,
         then the block-scaled W8A8 GEMM, at any M. Otherwise W8A16 (FP8 weight bytes decoded inside the GEMM)
         for at most ``W8A16_GEMM_MAX_M`` rows; None beyond, so the caller dequantizes + ``F.linear``.
         """
@@ -285,12 +285,12 @@ class Fp8LinearMethod(QuantMethod):
 
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         bias = bias.to(x.dtype) if bias is not None else None
-        if self.granularity == "block" and self.mode != "w8a16" and fp8_native(x.device):
+        if self.granularity == "block" and self.fp8_mode != "w8a16" and fp8_native(x.device):
             # quantized first, not inside the GEMM (dynamic_w8a8_gemm: each column tile would quantize x again,
             # see kernels.fp8_gemm)
             xq, x_scale = quantize_activation(x2, ACT_GRANULARITY["block"])
             y = w8a8_gemm(xq, x_scale, weight, scale, x.dtype, bias)
-        elif x2.shape[0] <= W8A16_GEMM_MAX_M and not (self.granularity == "block" and self.mode == "w8a8"):
+        elif x2.shape[0] <= W8A16_GEMM_MAX_M and not (self.granularity == "block" and self.fp8_mode == "w8a8"):
             y = w8a16_gemm(x2, weight, scale, bias)
         else:
             return None
@@ -303,7 +303,7 @@ class Fp8LinearMethod(QuantMethod):
         W8A16 (the Triton GEMM up to ``W8A16_GEMM_MAX_M`` rows on CUDA, else dequantize + ``F.linear``).
 
         Raises:
-            RuntimeError: mode "w8a8" where it cannot run: ``_scaled_mm`` lacks the device, shape or scale layout
+            RuntimeError: fp8_mode "w8a8" where it cannot run: ``_scaled_mm`` lacks the device, shape or scale layout
                 (row-wise scales on a CPU torch without them included), or per-block weights off CUDA sm89+,
                 without kernel "triton" or with fp32 activations. The message names the fp8_mode to use.
         """
@@ -315,7 +315,7 @@ class Fp8LinearMethod(QuantMethod):
             y = self._apply_triton_gemm(weight, scale, x, bias) if fused_forward(self.kernel, x) else None
             if y is not None:
                 return y
-            if self.granularity == "block" and self.mode == "w8a8":
+            if self.granularity == "block" and self.fp8_mode == "w8a8":
                 raise RuntimeError(
                     f"w8a8 with per-block scales runs on CUDA sm89+ with kernel='triton' and bf16/fp16 "
                     f"activations only (the Triton block-scaled GEMM); got {x.dtype} on {x.device}, "

@@ -27,7 +27,7 @@ quantize 2 tiles (:func:`expert_tiles`), which bounds their FP8 output, and copy
 
 Forward (``apply``): per expert that received tokens, ``quant/fp8.py``'s ``Fp8LinearMethod.apply`` on
 the expert's slice: W8A8 (``torch._scaled_mm``, activations quantized per tensor or per token) where
-the dense scheme would use it (mode "auto": CUDA sm89+; "w8a8": also CPU), else W8A16 (dequantize the
+the dense scheme would use it (fp8_mode "auto": CUDA sm89+; "w8a8": also CPU), else W8A16 (dequantize the
 expert, then matmul). Under CUDA-graph capture the same per-expert forward runs for every expert on all
 tokens, masked by the routing (``moe_base`` ``apply_all_experts``).
 """
@@ -93,22 +93,22 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     Args:
         granularity: "tensor", "channel" or "block".
         kernel: "torch" or "triton" (quantize at load time, dequantize for W8A16).
-        mode: "auto", "w8a8" or "w8a16", as :class:`layerwise.quant.fp8.Fp8LinearMethod`.
+        fp8_mode: "auto", "w8a8" or "w8a16", as :class:`layerwise.quant.fp8.Fp8LinearMethod`.
     Raises:
-        ValueError: unknown granularity or mode.
+        ValueError: unknown granularity or fp8_mode.
     """
 
-    def __init__(self, granularity: str = "tensor", kernel: str = "torch", mode: str = "auto"):
+    def __init__(self, granularity: str = "tensor", kernel: str = "torch", fp8_mode: str = "auto"):
         if granularity not in SCALE_NAMES:
             raise ValueError(f"unknown granularity {granularity!r}; choose one of {tuple(SCALE_NAMES)}")
-        if mode not in FP8_MODES:
-            raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {FP8_MODES}")
-        self.granularity, self.kernel, self.mode = granularity, kernel, mode
+        if fp8_mode not in FP8_MODES:
+            raise ValueError(f"unknown fp8_mode {fp8_mode!r}; choose one of {FP8_MODES}")
+        self.granularity, self.kernel, self.fp8_mode = granularity, kernel, fp8_mode
         self.name = f"fp8-per-{granularity}"
         dense_scale = SCALE_NAMES[granularity]  # "weight_scale" / "weight_scale_inv"
         self.scale_names = {p: p.replace("weight", dense_scale) for p in EXPERT_PARAMS}
         # the dense method runs each expert's matmul (its W8A8 / W8A16 choice is cached per param: one shape each)
-        self._dense = {p: Fp8LinearMethod(granularity, kernel, mode) for p in EXPERT_PARAMS}
+        self._dense = {p: Fp8LinearMethod(granularity, kernel, fp8_mode) for p in EXPERT_PARAMS}
 
     def create_kernel_tensors(self, layer: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
         out = {}

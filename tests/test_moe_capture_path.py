@@ -116,7 +116,7 @@ def test_fp8_row_independent_modes_equal_eager(granularity, mode, dtype):
     """W8A16 dequantizes the expert as eager does; per-channel W8A8 scales activations per token."""
     if mode == "w8a8" and not cpu_rowwise_scaled_mm():
         pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only")
-    method = Fp8MoEMethod(granularity, mode=mode)
+    method = Fp8MoEMethod(granularity, fp8_mode=mode)
     eager, dense = both_paths(method, build_experts(method, dtype), 16, dtype, dtype)
     if dtype == torch.bfloat16:
         assert torch.equal(dense, eager)
@@ -131,9 +131,9 @@ def test_fp8_per_tensor_w8a8_differs_by_the_activation_scale_only(dtype, seed):
     W8A16 result (no activation quantization), and close to each other. Measured over T in (2, 8, 16, 33) x 3
     seeds x 2 dtypes: eager-vs-dense 23.6..32.2 dB, each vs W8A16 25.8..28.0 dB, dense at most 1.0 dB below
     eager."""
-    method = Fp8MoEMethod("tensor", mode="w8a8")
+    method = Fp8MoEMethod("tensor", fp8_mode="w8a8")
     eager, dense = both_paths(method, build_experts(method, dtype, seed=seed), 16, dtype, dtype)
-    w8a16 = Fp8MoEMethod("tensor", mode="w8a16")
+    w8a16 = Fp8MoEMethod("tensor", fp8_mode="w8a16")
     reference, _ = both_paths(w8a16, build_experts(w8a16, dtype, seed=seed), 16, dtype, dtype)
     assert not torch.equal(dense, eager)  # the scale does differ: this test measures that, not rounding
     assert sqnr_db(eager.float(), dense.float()) >= 22.0
@@ -144,7 +144,7 @@ def test_fp8_per_tensor_w8a8_differs_by_the_activation_scale_only(dtype, seed):
 @pytest.mark.parametrize("scheme", ["none", "fp8-per-channel"])
 def test_an_unchosen_expert_with_non_finite_weights_changes_nothing(scheme, poison):
     """An expert no token chose adds an exact zero, even when its output is NaN or Inf for every token."""
-    method = UnquantizedFusedMoEMethod() if scheme == "none" else Fp8MoEMethod("channel", mode="w8a16")
+    method = UnquantizedFusedMoEMethod() if scheme == "none" else Fp8MoEMethod("channel", fp8_mode="w8a16")
     experts = build_experts(method, torch.bfloat16)
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     weights, ids = routing(6, torch.bfloat16, exclude=(5,))
@@ -190,7 +190,7 @@ def test_fp8_w8a16_transient_is_eager_per_expert_dequantization_plus_activations
     float32 temporaries: 2 [2I, H] float32 tensors per tensor/channel, 3 per block); the dense path adds
     only activations of all T rows to eager's peak, never T*k experts."""
     hidden, inter, tokens, num_experts = 256, 512, 8, 4
-    method = Fp8MoEMethod(granularity, mode="w8a16")
+    method = Fp8MoEMethod(granularity, fp8_mode="w8a16")
     experts = build_experts(method, torch.bfloat16, hidden=hidden, inter=inter, num_experts=num_experts)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     weights, ids = routing(tokens, torch.bfloat16, num_experts=num_experts)

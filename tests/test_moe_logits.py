@@ -145,7 +145,7 @@ def test_scheme_without_moe_method_is_a_clear_error(moe_checkpoint):
         layerwise.load_model(path, quantization="torchao:Float8WeightOnlyConfig")
     assert isinstance(QuantConfig("none").get_moe_method("moe"), UnquantizedFusedMoEMethod)
     method = QuantConfig("fp8-per-block", fp8_mode="w8a16").get_moe_method("moe")
-    assert isinstance(method, Fp8MoEMethod) and (method.granularity, method.mode) == ("block", "w8a16")
+    assert isinstance(method, Fp8MoEMethod) and (method.granularity, method.fp8_mode) == ("block", "w8a16")
 
 
 def test_tensor_parallel_moe_is_refused_before_reading(moe_checkpoint):
