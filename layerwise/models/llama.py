@@ -27,7 +27,13 @@ class LlamaMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up fused as gate_up_proj."""
 
     def __init__(
-        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, *, tp: TPContext = NO_TP
+        self,
+        config: ModelConfig,
+        quant_config: QuantConfig,
+        params_dtype: torch.dtype,
+        prefix: str,
+        *,
+        tp: TPContext = NO_TP,
     ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -36,7 +42,7 @@ class LlamaMLP(nn.Module):
             checkpoint_shards={"gate_proj": 0, "up_proj": 1},
             bias=False,
             quant_method=quant_config.get_linear_method(f"{prefix}.gate_up_proj"),
-            params_dtype=dtype,
+            params_dtype=params_dtype,
             prefix=f"{prefix}.gate_up_proj",
             tp=tp,
         )
@@ -45,7 +51,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size,
             bias=False,
             quant_method=quant_config.get_linear_method(f"{prefix}.down_proj"),
-            params_dtype=dtype,
+            params_dtype=params_dtype,
             prefix=f"{prefix}.down_proj",
             tp=tp,
         )
@@ -77,7 +83,7 @@ class LlamaAttention(nn.Module):
         self,
         config: ModelConfig,
         quant_config: QuantConfig,
-        dtype: torch.dtype,
+        params_dtype: torch.dtype,
         device: torch.device,
         prefix: str,
         *,
@@ -94,7 +100,7 @@ class LlamaAttention(nn.Module):
             config.num_key_value_heads,
             bias=bias,
             quant_method=quant_config.get_linear_method(f"{prefix}.qkv_proj"),
-            params_dtype=dtype,
+            params_dtype=params_dtype,
             prefix=f"{prefix}.qkv_proj",
             tp=tp,
         )
@@ -105,7 +111,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size,
             bias=config.attention_bias and self.qkv_bias is None,
             quant_method=quant_config.get_linear_method(f"{prefix}.o_proj"),
-            params_dtype=dtype,
+            params_dtype=params_dtype,
             prefix=f"{prefix}.o_proj",
             tp=tp,
         )
@@ -178,23 +184,25 @@ class LlamaDecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         quant_config: QuantConfig,
-        dtype: torch.dtype,
+        params_dtype: torch.dtype,
         device: torch.device,
         prefix: str,
         *,
         tp: TPContext = NO_TP,
     ):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
-        self.self_attn = self.attention_cls(config, quant_config, dtype, device, f"{prefix}.self_attn", tp=tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
-        self.add_module(self.mlp_name, self.make_mlp(config, quant_config, dtype, f"{prefix}.{self.mlp_name}", tp))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
+        self.self_attn = self.attention_cls(config, quant_config, params_dtype, device, f"{prefix}.self_attn", tp=tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
+        self.add_module(
+            self.mlp_name, self.make_mlp(config, quant_config, params_dtype, f"{prefix}.{self.mlp_name}", tp)
+        )
 
     def make_mlp(
-        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, tp: TPContext
+        self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype, prefix: str, tp: TPContext
     ) -> nn.Module:
         """The feed-forward block at ``prefix``: [..., H] -> [..., H] (Llama: the gated SiLU MLP)."""
-        return LlamaMLP(config, quant_config, dtype, prefix, tp=tp)
+        return LlamaMLP(config, quant_config, params_dtype, prefix, tp=tp)
 
     def forward(
         self,
@@ -216,19 +224,21 @@ class LlamaModel(nn.Module):
         self,
         config: ModelConfig,
         quant_config: QuantConfig,
-        dtype: torch.dtype,
+        params_dtype: torch.dtype,
         device: torch.device,
         layer_cls=LlamaDecoderLayer,
         *,
         tp: TPContext = NO_TP,
     ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=dtype, tp=tp)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, params_dtype=params_dtype, tp=tp
+        )
         self.layers = nn.ModuleList(
-            layer_cls(config, quant_config, dtype, device, f"model.layers.{i}", tp=tp)
+            layer_cls(config, quant_config, params_dtype, device, f"model.layers.{i}", tp=tp)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=params_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list | None = None) -> torch.Tensor:
         """input_ids and positions int64 [B, T] -> final-norm hidden states [B, T, hidden] in the model's dtype.

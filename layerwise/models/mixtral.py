@@ -29,13 +29,13 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     mlp_name = "block_sparse_moe"  # the checkpoint's name for the feed-forward block
 
     def make_mlp(
-        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, tp: TPContext
+        self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype, prefix: str, tp: TPContext
     ) -> nn.Module:
         """The sparse MoE block (router + fused experts) of every Mixtral layer."""
         return sparse_moe_block(
             config,
             quant_config,
-            dtype,
+            params_dtype,
             prefix,
             renormalize=True,
             scores_in_logits_dtype=False,

@@ -22,15 +22,15 @@ class Qwen3Attention(LlamaAttention):
         self,
         config: ModelConfig,
         quant_config: QuantConfig,
-        dtype: torch.dtype,
+        params_dtype: torch.dtype,
         device: torch.device,
         prefix: str,
         *,
         tp: TPContext = NO_TP,
     ):
-        super().__init__(config, quant_config, dtype, device, prefix, tp=tp)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=dtype)
+        super().__init__(config, quant_config, params_dtype, device, prefix, tp=tp)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=params_dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, params_dtype=params_dtype)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         """q [B, T, Hq, head_dim] and k [B, T, Hk, head_dim], each normalized over head_dim; same shapes."""

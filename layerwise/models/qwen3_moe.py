@@ -32,7 +32,7 @@ class Qwen3MoeAttention(Qwen3Attention):
 def sparse_moe_block(
     config: ModelConfig,
     quant_config: QuantConfig,
-    dtype: torch.dtype,
+    params_dtype: torch.dtype,
     prefix: str,
     *,
     renormalize: bool,
@@ -54,7 +54,7 @@ def sparse_moe_block(
         renormalize=renormalize,
         scores_in_logits_dtype=scores_in_logits_dtype,
         quant_method=quant_config.get_moe_method(f"{prefix}.experts"),
-        params_dtype=dtype,
+        params_dtype=params_dtype,
         expert_shards=expert_shards,
         prefix=prefix,
         tp=tp,
@@ -67,15 +67,15 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3MoeAttention
 
     def make_mlp(
-        self, config: ModelConfig, quant_config: QuantConfig, dtype: torch.dtype, prefix: str, tp: TPContext
+        self, config: ModelConfig, quant_config: QuantConfig, params_dtype: torch.dtype, prefix: str, tp: TPContext
     ) -> nn.Module:
         """The sparse MoE block, or Qwen3's dense MLP where the config makes layer ``prefix`` dense."""
         if not config.is_moe_layer(layer_index(prefix)):  # prefix: "model.layers.<i>.mlp"
-            return super().make_mlp(config, quant_config, dtype, prefix, tp)
+            return super().make_mlp(config, quant_config, params_dtype, prefix, tp)
         return sparse_moe_block(
             config,
             quant_config,
-            dtype,
+            params_dtype,
             prefix,
             renormalize=config.norm_topk_prob,
             scores_in_logits_dtype=True,
