@@ -26,7 +26,6 @@ transformers is needed by the trainer only; it is imported inside the functions 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import shutil
@@ -85,10 +84,10 @@ def nccl_init_info(port: int, timeout_seconds: float) -> dict:
 
 def update_nbytes(update_info: dict) -> int:
     """Bytes of tensor data an update info announces (what the trainer broadcasts, before packing)."""
-    return sum(
-        math.prod(shape) * getattr(torch, dtype).itemsize
-        for shape, dtype in zip(update_info["shapes"], update_info["dtype_names"], strict=True)
-    )
+    from layerwise.transfer.nccl import NCCLWeightTransferUpdateInfo
+
+    info = NCCLWeightTransferUpdateInfo(**update_info)  # checked as the engine checks it
+    return sum(info.nbytes(i) for i in range(len(info.names)))
 
 
 def quiet_import_notices() -> None:
