@@ -10,8 +10,14 @@ import torch
 from layerwise.dtypes import DTYPES
 from layerwise.errors import ConfigError
 
-#: the config.json fields every supported architecture needs (the others have defaults)
+#: the config.json fields every supported architecture needs (the others have defaults), positive integers
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+#: the keys a rope scaling of each type needs (transformers' rope_config_validation; "original_max_position_embeddings"
+#: defaults to max_position_embeddings)
+ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
+}
 
 
 @dataclass
@@ -66,12 +72,16 @@ class ModelConfig:
         """Parse a config.json dict; ``source``: the file it came from, named by the errors.
 
         Raises:
-            ConfigError: a field of :data:`REQUIRED_FIELDS` is absent or null, or ``architectures`` is neither
-                a list nor a string.
+            ConfigError: a field of :data:`REQUIRED_FIELDS` is absent, null or not a positive integer, a rope
+                scaling lacks a key its type needs (:data:`ROPE_SCALING_KEYS`), or ``architectures`` is neither a
+                list nor a string.
         """
         missing = [name for name in REQUIRED_FIELDS if d.get(name) is None]
         if missing:
             raise ConfigError(f"config.json lacks the required field(s) {', '.join(missing)}", file=source)
+        for name in REQUIRED_FIELDS:
+            if type(d[name]) is not int or d[name] < 1:
+                raise ConfigError(f"config.json {name} must be a positive integer, got {d[name]!r}", file=source)
         architectures = d.get("architectures") or []
         if isinstance(architectures, str):  # a single name where a list belongs: read as that one name
             architectures = [architectures]
@@ -88,6 +98,9 @@ class ModelConfig:
         if rope_type in ("llama3", "yarn", "longrope"):  # as transformers' standardize_rope_params
             original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
             scaling = dict(scaling, original_max_position_embeddings=original or d.get("max_position_embeddings"))
+        absent = [key for key in ROPE_SCALING_KEYS.get(rope_type, ()) if scaling.get(key) is None]
+        if absent:
+            raise ConfigError(f"config.json rope scaling of type {rope_type} lacks {', '.join(absent)}", file=source)
         heads = d["num_attention_heads"]
         dtype_name = d.get("dtype") or d.get("torch_dtype")
         # Qwen2 / Qwen3 / Qwen3-MoE gate the window with use_sliding_window (transformers' default: False);

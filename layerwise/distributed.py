@@ -63,11 +63,10 @@ class TPContext:
         Raises:
             ValueError: another ``op`` (checked with or without TP, so a typo fails on one rank too).
         """
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-        if op not in ops:
+        if op not in ("sum", "max"):
             raise ValueError(f"all_reduce op must be 'sum' or 'max', got {op!r}")
-        if self.size > 1:
-            dist.all_reduce(tensor, op=ops[op], group=self.group)
+        if self.size > 1:  # ReduceOp only here: a torch built without distributed has none
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -106,8 +106,7 @@ class ModelWeightParameter(nn.Parameter):
                 or the slice lies outside it (the message gives both shapes); or a tensor that is not floating
                 point (an integer or bool dtype) for a floating-point parameter, which a copy would cast.
         """
-        if self.dtype.is_floating_point and not loaded_weight.dtype.is_floating_point:
-            raise WeightShapeError(f"checkpoint dtype {loaded_weight.dtype} for a {self.dtype} parameter")
+        check_loaded_dtype(loaded_weight, self.dtype)
         if dim is None:
             d = self.output_dim if self.output_dim is not None else self.input_dim
         elif dim in ("output", "input"):
@@ -136,10 +135,24 @@ class ModelWeightParameter(nn.Parameter):
             raise WeightShapeError(
                 f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(target.shape)}"
             )
-        if not isinstance(source, torch.Tensor):
-            source = source.materialize()
-        with torch.no_grad():
-            target.copy_(source, non_blocking=_ASYNC_HOST_COPIES.get() and _may_return_early(source, target))
+        copy_loaded(source, target)
+
+
+def check_loaded_dtype(loaded_weight, param_dtype: torch.dtype) -> None:
+    """Raise WeightShapeError for a tensor that is not floating point (an integer or bool dtype) loaded into a
+    floating-point parameter: a copy would cast it silently. ``loaded_weight``: a tensor or a lazy slice."""
+    if param_dtype.is_floating_point and not loaded_weight.dtype.is_floating_point:
+        raise WeightShapeError(f"checkpoint dtype {loaded_weight.dtype} for a {param_dtype} parameter")
+
+
+def copy_loaded(source, target: torch.Tensor) -> None:
+    """``target.copy_(source)`` of a weight loader: a lazy checkpoint slice is read first; inside
+    :func:`async_host_copies` a pinned host tensor in target's dtype is copied without waiting
+    (:func:`_may_return_early`). No autograd."""
+    if not isinstance(source, torch.Tensor):
+        source = source.materialize()
+    with torch.no_grad():
+        target.copy_(source, non_blocking=_ASYNC_HOST_COPIES.get() and _may_return_early(source, target))
 
 
 def _may_return_early(source: torch.Tensor, target: torch.Tensor) -> bool:

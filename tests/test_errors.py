@@ -83,6 +83,22 @@ def test_config_without_a_required_field_names_it_and_the_file(ckpt, missing):
     assert isinstance(e.value.cause, layerwise.CheckpointError) and e.value.updated_modules == []
 
 
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        ({"hidden_size": "32"}, "hidden_size must be a positive integer"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 lacks low_freq_factor, high_freq_factor"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4}}, "longrope lacks long_factor"),
+    ],
+)
+def test_config_values_of_the_wrong_kind_name_the_field_and_the_file(ckpt, changes, words):
+    _edit_config(ckpt, **changes)
+    with pytest.raises(layerwise.ConfigError, match=words) as e:
+        layerwise.load_model(ckpt)
+    assert e.value.file == str(ckpt / "config.json")
+
+
 def test_config_architectures_may_be_one_name_not_a_list(ckpt):
     _edit_config(ckpt, architectures="Qwen3ForCausalLM")
     assert type(layerwise.load_model(ckpt)).__name__ == "Qwen3ForCausalLM"
@@ -111,6 +127,18 @@ def test_tensor_of_an_unsupported_dtype_names_key_and_file(ckpt):
     with pytest.raises(layerwise.CheckpointError, match="unsupported safetensors dtype") as e:
         layerwise.load_model(ckpt)
     assert e.value.key == KEY and e.value.file == str(path)
+
+
+def test_integer_tensor_for_a_float_expert_is_refused(tmp_path):
+    """The MoE experts' loader refuses it too (it does not go through load_shard)."""
+    from tests.hf_checkpoints import write_hf_checkpoint
+
+    path = write_hf_checkpoint(tmp_path / "moe", "Qwen3MoeForCausalLM", num_layers=2)
+    key = "model.layers.1.mlp.experts.3.down_proj.weight"
+    _edit(path, key, lambda t: t.update({key: torch.ones(t[key].shape, dtype=torch.int32)}))
+    with pytest.raises(layerwise.WeightShapeError, match="torch.int32") as e:
+        layerwise.load_model(path, quantization=None)
+    assert e.value.key == key
 
 
 def test_integer_tensor_for_a_float_weight_is_refused(ckpt):

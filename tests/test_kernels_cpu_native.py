@@ -288,3 +288,11 @@ def test_a_batch_of_pieces_is_refused_unless_every_piece_is_a_plain_contiguous_c
         with pytest.raises(ValueError):
             cpu_native.amax_batch([[(0, ok())], [(0, t)]], (4, 8), "tensor")
     assert not cpu_native.supports_batch([[(0, torch.ones(4, 8))]] * 0) and not cpu_native.supports_batch([[]])
+
+
+def test_granularity_codes_are_the_ones_the_kernels_hard_code():
+    """_cpu_fp8.c (``granularity``) and the Triton kernels (``SCALE_MODE``; fp8_gemm uses the per-tensor code 0 as
+    a scale stride) read these numbers: reordering GRANULARITIES must not change them silently."""
+    from layerwise.kernels.reference import GRANULARITY_CODES
+
+    assert GRANULARITY_CODES == {"tensor": 0, "channel": 1, "block": 2}

@@ -26,6 +26,10 @@ def _imports(path: Path) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
+            if node.module == "layerwise":  # from layerwise import api: the module it names
+                names += [f"layerwise.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            raise AssertionError(f"{path}: a relative import (the layout rules read absolute ones)")
     return names
 
 

@@ -232,16 +232,29 @@ def test_load_shard_copies_without_waiting_only_inside_async_host_copies(monkeyp
 
 
 @pytest.mark.parametrize("scheme", [None, "fp8-per-tensor"], ids=lambda s: s or "bf16")
-def test_a_deferred_moe_reload_reads_the_host_once_and_reports_a_nan_expert(tmp_path_factory, scheme, deferred):
+def test_a_deferred_moe_reload_reads_the_host_once_and_reports_a_nan_expert(
+    tmp_path_factory, scheme, deferred, monkeypatch
+):
     """The experts' checks defer too, unquantized experts included (their copy checked each expert on the host)."""
+    import layerwise.layers.fused_moe as fused_moe
     from tests.moe_helpers import checkpoint_pair
 
     _, a, b = checkpoint_pair(tmp_path_factory, "Qwen3MoeForCausalLM", "deferred-moe")
     model = layerwise.load_model(a, quantization=scheme)
     stream = _stream(b)
+    copy_loaded, copies_may_wait = fused_moe.copy_loaded, []
+
+    def recording(source, target):  # whether an expert's replay may copy without waiting (as load_shard's)
+        if target.device.type != "meta":
+            copies_may_wait.append(parameters._ASYNC_HOST_COPIES.get())
+        return copy_loaded(source, target)
+
+    monkeypatch.setattr(fused_moe, "copy_loaded", recording)
     with HostReads() as reads:
         layerwise.reload_weights(model, stream)
     assert reads.reads == 0
+    if scheme is None:  # bf16 experts are replayed into a staging weight (fp8 ones quantized from the loads)
+        assert copies_may_wait and all(copies_may_wait)
     fresh = layerwise.load_model(b, quantization=scheme).state_dict()
     for name, t in model.state_dict().items():
         assert torch.equal(_bytes(t), _bytes(fresh[name])), name
@@ -249,4 +262,13 @@ def test_a_deferred_moe_reload_reads_the_host_once_and_reports_a_nan_expert(tmp_
     with pytest.raises(layerwise.ReloadError) as e:
         layerwise.reload_weights(model, _stream(a, key))
     assert isinstance(e.value, layerwise.NonFiniteWeightError) and e.value.key == key
+    assert e.value.non_finite_modules == ["model.layers.1.mlp.experts"]
+    # NaNs in two experts, then an unknown key ends the stream: the module is still named once
+    stream = _stream(a, key)
+    for t in (t for k, t in stream if k == "model.layers.1.mlp.experts.5.up_proj.weight"):
+        t.view(-1)[0] = float("nan")
+    stream.append(("model.layers.9.mlp.up_proj.weight", stream[0][1]))
+    with pytest.raises(layerwise.ReloadError) as e:
+        layerwise.reload_weights(model, stream)
+    assert isinstance(e.value.cause, layerwise.UnexpectedWeightError)
     assert e.value.non_finite_modules == ["model.layers.1.mlp.experts"]

@@ -34,6 +34,7 @@ from layerwise.errors import TensorParallelError, UnexpectedWeightError, WeightS
 from layerwise.layers.linear import ColumnParallelLinear
 from layerwise.quant.base import UnquantizedLinearMethod
 from layerwise.quant.moe_base import FusedMoEMethodBase
+from layerwise.quant.parameters import check_loaded_dtype, copy_loaded
 
 #: Qwen3-MoE / Qwen2-MoE / DeepSeek checkpoint names of an expert's projections -> shard_id
 QWEN_EXPERT_SHARDS = MappingProxyType({"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
@@ -141,9 +142,11 @@ class FusedMoE(nn.Module):
             loaded_weight: [I, H] for w1 / w3, [H, I] for w2; a tensor or a lazy checkpoint slice.
             shard_id: (expert_id, "w1" | "w3" | "w2").
         Raises:
-            WeightShapeError: the tensor's shape is not the projection's.
+            WeightShapeError: the tensor's shape is not the projection's, or an integer / bool tensor for a float
+                ``param`` (:func:`layerwise.quant.parameters.check_loaded_dtype`).
             ValueError: a shard_id that does not fit ``param``.
         """
+        check_loaded_dtype(loaded_weight, param.dtype)
         expert_id, shard = shard_id
         target = param.data[expert_id]
         if shard in ("w1", "w3"):
@@ -158,10 +161,7 @@ class FusedMoE(nn.Module):
                 f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(target.shape)} "
                 f"(expert {expert_id}, {shard})"
             )
-        if not isinstance(loaded_weight, torch.Tensor):
-            loaded_weight = loaded_weight.materialize()
-        with torch.no_grad():
-            target.copy_(loaded_weight)
+        copy_loaded(loaded_weight, target)  # without waiting where a session allows it (Limitations 12)
 
     # --- per-expert processing units (layerwise/reload/session.py) -----------------------------------
 

@@ -50,7 +50,8 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    in ``pending_units`` until the module's last unit (or finalize, for a partial reload), and then
    every waiting unit is quantized in one ``process_experts`` call: all their scales first (on CPU one
    native pass per parameter over all their pieces, in parallel), then all their bytes; a NaN or Inf in
-   any of them is raised, naming its key, before anything is written.
+   any of them is raised, naming its key, before anything is written (a session with ``defer_checks``
+   writes them and reports it at finalize, 12).
 10. A weight whose every load is a verbatim copy (``counting.record_loader``: the whole loaded tensor,
    same dtype, into one contiguous region; no TP slice, cast or transpose) of a tensor already on the
    session's device is not materialized: a quant method that accepts pieces

@@ -279,7 +279,8 @@ def _load_unit(module: nn.Module, info: LayerReloadingInfo, param_name: str, wri
         )
     numel = written_numel(writes)
     completes = state.load_numel + numel >= n
-    if not completes and load.loaded_weight.device.type != "cpu":  # Limitations 2: buffers stay on CPU
+    # Limitations 2: buffers stay on CPU, unless the session borrows the caller's device tensors (Limitations 12)
+    if not completes and load.loaded_weight.device.type != "cpu" and not session.borrow_device_tensors:
         load.loaded_weight = load.loaded_weight.to("cpu")
     state.loaded_weights.append(load)
     state.writes.extend(relative)
@@ -563,6 +564,11 @@ def _failed_modules(failed: list[DeferredCheck]) -> list[str]:
     return list(dict.fromkeys(c.prefix for c in failed))
 
 
+def _add_non_finite(session: ReloadSession, failed: list[DeferredCheck]) -> None:
+    """Add the modules of ``failed`` to ``session.non_finite_modules``, each module listed once."""
+    session.non_finite_modules.extend(m for m in _failed_modules(failed) if m not in session.non_finite_modules)
+
+
 def _non_finite_message(failed: list[DeferredCheck], atomic: bool, where: str = "the stream") -> str:
     modules = _failed_modules(failed)
     subject = "these modules were" if len(modules) > 1 else "the module was"
@@ -584,7 +590,7 @@ def check_deferred(session: ReloadSession) -> None:
     failed = _failed_deferred(session)
     if failed:
         if not session.atomic:  # staged modules are dropped by the abort that follows: nothing holds the NaN
-            session.non_finite_modules.extend(m for m in _failed_modules(failed) if m not in session.non_finite_modules)
+            _add_non_finite(session, failed)
         message = _non_finite_message(failed, session.atomic, "the batch")
         raise NonFiniteWeightError(message, key=_find_non_finite_key(failed[0].loads))
 
@@ -839,7 +845,7 @@ def abort_layerwise_reload(model: nn.Module) -> list[str]:
     finally:
         # Limitations 12: the caller may reuse its stream's tensors once the error reaches it, and a NaN the
         # device found before another error ended the stream is still reported
-        session.non_finite_modules.extend(c.prefix for c in _failed_deferred(session))
+        _add_non_finite(session, _failed_deferred(session))
     return updated
 
 
@@ -854,7 +860,8 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
             a reload the model is left usable (see :func:`abort_layerwise_reload`) and the error is
             a ReloadError subclass instance listing ``updated_modules``.
         NonFiniteWeightError: a unit still queued at finalize (a partial reload, Limitations 9) holds NaN
-            or Inf; the session is then left open: :func:`layerwise_session` aborts it. Or a check deferred to
+            or Inf, in a session without ``defer_checks``; the session is then left open:
+            :func:`layerwise_session` aborts it. Or a check deferred to
             finalize failed (``defer_checks``, Limitations 12): the session is aborted first, and after a
             reload the error is a ReloadError subclass instance listing ``updated_modules`` (the module with
             the NaN or Inf among them).
