@@ -78,15 +78,17 @@ def test_an_iterator_still_stops_at_the_nan(pair):
     assert "model.layers.2.mlp.down_proj" not in e.value.updated_modules
 
 
+@pytest.mark.parametrize("source", ["pinned", "cuda"])
 @pytest.mark.parametrize("scheme", [None, "fp8-per-tensor", "fp8-per-block"], ids=lambda s: s or "bf16")
-def test_streaming_a_pinned_moe_list_never_synchronizes(tmp_path_factory, scheme):
+def test_streaming_a_moe_list_never_synchronizes(tmp_path_factory, scheme, source):
     """MoE experts (unit-wise modules) defer their checks too: each expert's replay, scale and quantize stay on the
-    device (tests/test_reload_deferred.py forces the same on the CPU)."""
+    device, and an expert's first projection of a device stream is held as the caller's tensor, not copied to the
+    host (tests/test_reload_deferred.py forces the deferral on the CPU)."""
     from tests.moe_helpers import checkpoint_pair
 
     _, a, b = checkpoint_pair(tmp_path_factory, "Qwen3MoeForCausalLM", "cuda-moe")
     model = layerwise.load_model(a, quantization=scheme, device="cuda")
-    stream = _pinned(b)
+    stream = _pinned(b) if source == "pinned" else [(k, t.to("cuda")) for k, t in Checkpoint(b)]
     with layerwise_session(model, defer_checks=True):
         torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
         try:
