@@ -37,6 +37,22 @@ def _bytes(t):
     return t.detach().reshape(-1).view(torch.uint8).cpu()
 
 
+def _stream_without_sync(model, stream):
+    """Stream ``stream`` into ``model`` in a session that defers its checks; any host synchronization raises."""
+    with layerwise_session(model, defer_checks=True):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            stream_weights(model, stream)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def _assert_equals_a_fresh_load(model, path, scheme):
+    fresh = layerwise.load_model(path, quantization=scheme, device="cuda").state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(_bytes(t), _bytes(fresh[name])), name
+
+
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s or "bf16")
 def test_streaming_a_pinned_list_never_synchronizes(pair, scheme):
     a, b = pair
@@ -44,16 +60,9 @@ def test_streaming_a_pinned_list_never_synchronizes(pair, scheme):
     stream = _pinned(b)
     assert api._defers_checks(model, stream)
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    with layerwise_session(model, defer_checks=True):
-        torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
-        try:
-            stream_weights(model, stream)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    _stream_without_sync(model, stream)
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
-    fresh = layerwise.load_model(b, quantization=scheme, device="cuda").state_dict()
-    for name, t in model.state_dict().items():
-        assert torch.equal(_bytes(t), _bytes(fresh[name])), name
+    _assert_equals_a_fresh_load(model, b, scheme)
 
 
 @pytest.mark.parametrize("scheme", [None, "fp8-per-tensor"], ids=lambda s: s or "bf16")
@@ -89,12 +98,5 @@ def test_streaming_a_moe_list_never_synchronizes(tmp_path_factory, scheme, sourc
     _, a, b = checkpoint_pair(tmp_path_factory, "Qwen3MoeForCausalLM", "cuda-moe")
     model = layerwise.load_model(a, quantization=scheme, device="cuda")
     stream = _pinned(b) if source == "pinned" else [(k, t.to("cuda")) for k, t in Checkpoint(b)]
-    with layerwise_session(model, defer_checks=True):
-        torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
-        try:
-            stream_weights(model, stream)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    fresh = layerwise.load_model(b, quantization=scheme, device="cuda").state_dict()
-    for name, t in model.state_dict().items():
-        assert torch.equal(_bytes(t), _bytes(fresh[name])), name
+    _stream_without_sync(model, stream)
+    _assert_equals_a_fresh_load(model, b, scheme)
