@@ -73,7 +73,7 @@ def _step_times(engine, position: int, warmup: int, steps: int) -> list[float]:
 
     def step():
         with engine.weight_update_lock():
-            engine._decode(tokens, positions)  # the step generate() runs: graph replay on CUDA
+            engine.decode(tokens, positions)  # the step generate() runs: graph replay on CUDA
 
     with torch.inference_mode():
         return times(step, engine.device, warmup + steps)[warmup:]

@@ -98,7 +98,17 @@ class Engine:
             self._logits = self._decode_step()
         self.captures += 1
 
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step of every batch row: the step :meth:`generate` runs (a CUDA graph replay on CUDA, captured
+        at the first call), writing each row's key and value at its position in the KV cache.
+
+        Args:
+            tokens: int64 [max_batch_size, 1], each row's next input token, on the engine's device.
+            positions: int64 [max_batch_size, 1], their positions (< max_seq_len).
+        Returns:
+            logits [max_batch_size, vocab] in the model's dtype. With a CUDA graph this is the graph's own output
+            buffer, overwritten by the next call: clone it to keep it.
+        """
         self._ids.copy_(tokens)
         self._pos.copy_(positions)
         if not self.use_cuda_graph:
@@ -159,7 +169,7 @@ class Engine:
         out = [tokens[:, 0].clone()]
         for _ in range(max_new_tokens - 1):  # rows past len(prompts) decode padding and are ignored
             with self._weights_lock:
-                tokens = self._decode(tokens, positions).argmax(-1, keepdim=True)
+                tokens = self.decode(tokens, positions).argmax(-1, keepdim=True)
             positions = positions + 1
             out.append(tokens[:, 0].clone())
         generated = torch.stack(out, dim=1).tolist()

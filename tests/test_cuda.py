@@ -226,6 +226,6 @@ def test_cuda_graph_decode_with_fused_kernels_equals_eager(hf_checkpoint, scheme
     # logits (the same kernels on the same inputs; a bf16 ulp of slack for a library picking another algorithm)
     ids, pos = graph._ids.clone(), graph._pos.clone()
     with torch.no_grad():
-        eager_logits = eager._decode(ids, pos).float().clone()
-        graph_logits = graph._decode(ids, pos).float()
+        eager_logits = eager.decode(ids, pos).float().clone()
+        graph_logits = graph.decode(ids, pos).float()
     torch.testing.assert_close(graph_logits, eager_logits, rtol=2.0**-7, atol=1e-3)

@@ -68,8 +68,8 @@ def test_cuda_graph_decode_equals_eager_and_survives_reload(pair, scheme):
     ids, pos = graph_engine._ids.clone(), graph_engine._pos.clone()
     assert torch.equal(ids, eager._ids)  # equal prefill tokens, so equal caches and inputs for the step
     with torch.no_grad():
-        eager_logits = eager._decode(ids, pos).float().clone()
-        graph_logits = graph_engine._decode(ids, pos).float().clone()
+        eager_logits = eager.decode(ids, pos).float().clone()
+        graph_logits = graph_engine.decode(ids, pos).float().clone()
     db = sqnr_db(eager_logits.cpu(), graph_logits.cpu())
     print(f"{arch} {scheme}: captured vs eager decode logits {db:.1f} dB")
     assert db >= CAPTURE_SQNR_DB[scheme], f"{arch} {scheme}: captured vs eager {db:.1f} dB"
