@@ -22,10 +22,11 @@ from layerwise.kernels import resolve_kernel
 from layerwise.memory import DeviceMemoryTracker, tensor_bytes
 from layerwise.quant.config import QuantConfig
 from layerwise.registry import get_model_class
-from layerwise.reload.kernel_format import copy_kernel_tensors
+from layerwise.reload.kernel_format import copy_kernel_tensors, named_kernel_tensors
 from layerwise.reload.session import layerwise_session, model_defers_checks, record_metadata_for_reloading
 from layerwise.reload.types import ReloadReport
 from layerwise.routing import stream_weights
+from layerwise.transfer.packed_tensor import flat_bytes
 
 Weights = str | os.PathLike | Iterable[tuple[str, torch.Tensor]]
 
@@ -369,7 +370,6 @@ def _defers_checks(model: nn.Module, stream) -> bool:
 def model_digest(model: nn.Module) -> dict[str, str]:
     """SHA-256 of the bytes of every parameter and buffer, by name (to prove what a reload changed)."""
     out = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        out[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    for name, t in named_kernel_tensors(model).items():
+        out[name] = hashlib.sha256(flat_bytes(t).cpu().numpy().tobytes()).hexdigest()
     return out

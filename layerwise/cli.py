@@ -172,6 +172,7 @@ def _demo(args) -> int:
 def _reload(args) -> int:
     from layerwise.demo import PROMPT, demo_checkpoint
     from layerwise.engine import Engine
+    from layerwise.reload.kernel_format import named_kernel_tensors
 
     if (args.path_a is None) != (args.path_b is None):
         raise UsageError("give both PATH_A and PATH_B, or neither (two demo checkpoints are generated)")
@@ -183,15 +184,14 @@ def _reload(args) -> int:
         path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization, device=args.device
     )
     tokens_a = engine.generate(prompts, args.tokens)
-    tensors = list(engine.model.named_parameters()) + list(engine.model.named_buffers())
-    addresses = {name: (t, t.data_ptr()) for name, t in tensors}
+    addresses = {name: (t, t.data_ptr()) for name, t in named_kernel_tensors(engine.model).items()}
     report = engine.reload_weights(path_b)
     tokens_after = engine.generate(prompts, args.tokens)
     fresh = Engine.from_pretrained(
         path_b, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization, device=args.device
     )
     tokens_b = fresh.generate(prompts, args.tokens)
-    now = dict(list(engine.model.named_parameters()) + list(engine.model.named_buffers()))
+    now = named_kernel_tensors(engine.model)
     kept = sum(now[n] is t and now[n].data_ptr() == ptr for n, (t, ptr) in addresses.items())
     print(f"A: {path_a}\nB: {path_b}")
     print(f"generated on A:            {tokens_a}")

@@ -43,6 +43,8 @@ from layerwise.checkpoint import CONFIG_NAME, SINGLE_FILE
 from layerwise.demo import PROMPT
 from layerwise.errors import LayerwiseError, WeightTransferError
 from layerwise.optional import import_optional
+from layerwise.reload.kernel_format import named_kernel_tensors
+from layerwise.transfer.packed_tensor import flat_bytes
 
 TRAIN_SEQUENCE = PROMPT + [101, 102, 103, 104, 105, 106, 107, 108]  # the trainer's language-modeling data
 LEARNING_RATE = 3e-3  # one AdamW step moves every weight by about this much: greedy tokens change
@@ -154,11 +156,6 @@ def stop_process(process, timeout_seconds: float) -> None:
         process.join(timeout=5)
 
 
-def named_kernel_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` by name (the engine's kernel tensors)."""
-    return dict(list(model.named_parameters()) + list(model.named_buffers()))
-
-
 def kernel_pointers(model: nn.Module) -> dict[str, tuple[int, int]]:
     """name -> (object id, data_ptr) of every kernel tensor, to check an update wrote in place."""
     return {name: (id(t), t.data_ptr()) for name, t in named_kernel_tensors(model).items()}
@@ -173,9 +170,7 @@ def same_tensors(model: nn.Module, reference: nn.Module) -> bool:
         b = theirs[name]
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
-        a_bytes = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        b_bytes = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        if not torch.equal(a_bytes, b_bytes):
+        if not torch.equal(flat_bytes(a).cpu(), flat_bytes(b).cpu()):
             return False
     return True
 

@@ -17,11 +17,17 @@ from layerwise.errors import DuplicateWeightError, NonFiniteWeightError, Unexpec
 from layerwise.kernels import has_non_finite
 
 
+def named_kernel_tensors(model: nn.Module, remove_duplicate: bool = True) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by name (its kernel tensors once loaded); ``remove_duplicate``
+    False: a tied tensor under each of its names (``lm_head.weight`` beside ``model.embed_tokens.weight``)."""
+    tensors = dict(model.named_parameters(remove_duplicate=remove_duplicate))
+    tensors.update(dict(model.named_buffers(remove_duplicate=remove_duplicate)))
+    return tensors
+
+
 def kernel_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers by name, tied duplicates included (``lm_head.weight``)."""
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(dict(model.named_buffers(remove_duplicate=False)))
-    return targets
+    """What a kernel-format tensor may be written into: :func:`named_kernel_tensors`, tied duplicates included."""
+    return named_kernel_tensors(model, remove_duplicate=False)
 
 
 def check_kernel_tensor(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
