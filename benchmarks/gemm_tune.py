@@ -299,7 +299,7 @@ def tune(
 def precompile(jobs: list, device: torch.device, threads: int = COMPILE_THREADS, deadline: float | None = None) -> None:
     """Run each ``(call, tiles)`` of ``jobs`` once, ``call(tiles, 0)``, from ``threads`` threads, so that Triton
     compiles the candidates side by side: a compile spends most of its time outside the GIL, in MLIR passes and
-    ptxas (two threads compiled six GEMM variants 1.7x faster than one on this 2-core machine). Outputs are
+    ptxas. Outputs are
     dropped and errors ignored: the check that follows runs every candidate again and records its error.
     CUDA only, with 2 threads or more: the interpreter patches ``triton.language`` while a kernel runs, so on
     CPU kernels run one at a time (and there is nothing to compile). Jobs not started by ``deadline``

@@ -567,12 +567,13 @@ def dynamic_w8a8_gemm(
         xq, x_scale = quantize_activation(x, act_granularity)
         return w8a8_gemm(xq, x_scale, weight, weight_scale, x.dtype, bias, tiles)
     x_cols = {"group": triton.cdiv(k, GROUP_SIZE), "token": 1, "tensor": 0}[act_granularity]
-    return _w8a8((x, x), x_cols, True, weight, weight_scale, granularity, x.dtype, bias, tiles)
+    x_bits = as_kernel_input(x)[0]  # read as x and, unused by the kernel, as its scales
+    return _w8a8((x_bits, x_bits), x_cols, True, weight, weight_scale, granularity, x.dtype, bias, tiles)
 
 
 def _w8a8(x_operands, x_cols, x_quant, weight, weight_scale, granularity, out_dtype, bias, tiles) -> torch.Tensor:
     """Launch ``_w8a8_gemm_kernel`` with ``tiles``: ``x_operands`` (xq bytes, x scales) or, with ``x_quant``,
-    (x, x)."""
+    (x's bits, x's bits)."""
     x = x_operands[0]
     (m, k), n = x.shape, weight.shape[0]
     if out_dtype not in (torch.bfloat16, torch.float16):
@@ -588,8 +589,6 @@ def _w8a8(x_operands, x_cols, x_quant, weight, weight_scale, granularity, out_dt
     w_cols = weight_scale.shape[1] if granularity == "block" else GRANULARITY_CODES[granularity]  # per tensor: stride 0
     bias_bits = as_kernel_input(bias.contiguous())[0] if bias is not None else None
     out_bits = as_kernel_input(out)[0]
-    if x_quant:
-        x_operands = (as_kernel_input(x)[0],) * 2
     if granularity == "block":
         tiles = _fit_block(tiles)
     _run(

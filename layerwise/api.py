@@ -22,7 +22,7 @@ from layerwise.kernels import resolve_kernel
 from layerwise.memory import DeviceMemoryTracker, tensor_bytes
 from layerwise.quant.config import QuantConfig
 from layerwise.registry import get_model_class
-from layerwise.reload.kernel_format import copy_kernel_tensors, named_kernel_tensors
+from layerwise.reload.kernel_format import KernelTensorWriter, named_kernel_tensors
 from layerwise.reload.session import layerwise_session, model_defers_checks, record_metadata_for_reloading
 from layerwise.reload.types import ReloadReport
 from layerwise.routing import stream_weights
@@ -334,12 +334,14 @@ def reload_weights(
 
 def _reload(model: nn.Module, stream, file_of, is_checkpoint_format: bool, atomic: bool, start: float) -> ReloadReport:
     if not is_checkpoint_format:
-        updated: list = []
+        writer = KernelTensorWriter(model, atomic)
         try:
-            copy_kernel_tensors(model, stream, atomic, updated)
+            for name, tensor in stream:
+                writer.write(name, tensor)
+            writer.commit()
         except Exception as e:  # a LayerwiseError, or an I/O or torch error midway: name what was overwritten
-            raise ReloadError.wrap(e, updated) from e  # atomic: filled only by the commit, so exact too
-        return ReloadReport(updated, time.perf_counter() - start, 0)
+            raise ReloadError.wrap(e, writer.updated) from e  # atomic: filled only by the commit, so exact too
+        return ReloadReport(writer.updated, time.perf_counter() - start, 0)
     session = None
     try:
         with layerwise_session(model, atomic=atomic, defer_checks=_defers_checks(model, stream)) as session:

@@ -8,8 +8,6 @@ checked and staged before any is written.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -55,8 +53,8 @@ class KernelTensorWriter:
     """Writes kernel-format tensors into a live model by name, each checked first (:func:`check_kernel_tensor`)
     and accepted once: immediately, or, ``atomic``, staged on the target's device and written by :meth:`commit`.
 
-    The one writer of ``reload_weights(..., is_checkpoint_format=False)`` (:func:`copy_kernel_tensors`) and of a
-    kernel-format weight update (``layerwise.transfer.update.WeightUpdate``).
+    The one writer of ``reload_weights(..., is_checkpoint_format=False)`` and of a kernel-format weight update
+    (``layerwise.transfer.update.WeightUpdate``).
 
     Attributes:
         updated: the names written so far, appended as each is written (so a caller that catches an error knows
@@ -99,29 +97,3 @@ class KernelTensorWriter:
     def discard(self) -> None:
         """Drop the staged tensors unwritten."""
         self._staged = {}
-
-
-def copy_kernel_tensors(
-    model: nn.Module, stream: Iterable[tuple[str, torch.Tensor]], atomic: bool, updated: list
-) -> None:
-    """Copy each (name, tensor) of ``stream`` into the parameter or buffer of that name
-    (:class:`KernelTensorWriter`).
-
-    Args:
-        model: the live model; names are those of ``model.named_parameters()`` / ``named_buffers()``
-            (tied duplicates included).
-        stream: (name, tensor) pairs; tensors may live on any device and must match the target's
-            dtype and shape exactly.
-        atomic: stage copies of every tensor on the target device and write them only after the
-            whole stream was checked (costs their bytes on the device).
-        updated: list the names written are appended to, as they are written (so a caller that
-            catches an error knows what changed).
-    Raises:
-        UnexpectedWeightError / WeightShapeError / NonFiniteWeightError / DuplicateWeightError, with ``key`` set,
-        before the offending tensor (and, atomic, any tensor) is written (see :meth:`KernelTensorWriter.write`).
-    """
-    writer = KernelTensorWriter(model, atomic)
-    writer.updated = updated  # the caller's list, filled as tensors are written
-    for name, tensor in stream:
-        writer.write(name, tensor)
-    writer.commit()

@@ -217,10 +217,8 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
             return
         numel = written_numel(writes)
         completes = info.load_numel + numel >= info.load_numel_total
-        # Limitations 2: buffers stay on CPU; a session that borrows device tensors holds the caller's own tensor
-        # (kept by the caller anyway, and a copy to the host would synchronize: Limitations 12)
-        if not completes and loaded_weight.device.type != "cpu" and not session.borrow_device_tensors:
-            loaded_weight = loaded_weight.to("cpu")
+        if not completes:
+            loaded_weight = _buffered(session, loaded_weight)
         info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at))
         info.writes[param_name].extend(writes)
         info.load_numel += numel
@@ -230,6 +228,15 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
             _process_module(module, info, key)
 
     return loader
+
+
+def _buffered(session: ReloadSession, loaded_weight):
+    """What a load that does not complete its module (or unit) is held as until it does: Limitations 2, buffers
+    stay on the CPU, except that a session that borrows device tensors holds the caller's own tensor (kept by the
+    caller anyway, and a copy to the host would synchronize: Limitations 12)."""
+    if loaded_weight.device.type != "cpu" and not session.borrow_device_tensors:
+        return loaded_weight.to("cpu")
+    return loaded_weight
 
 
 def _recorded(module: nn.Module, info: LayerReloadingInfo, param_name: str, loaded_weight, shard_id):
@@ -279,9 +286,8 @@ def _load_unit(module: nn.Module, info: LayerReloadingInfo, param_name: str, wri
         )
     numel = written_numel(writes)
     completes = state.load_numel + numel >= n
-    # Limitations 2: buffers stay on CPU, unless the session borrows the caller's device tensors (Limitations 12)
-    if not completes and load.loaded_weight.device.type != "cpu" and not session.borrow_device_tensors:
-        load.loaded_weight = load.loaded_weight.to("cpu")
+    if not completes:
+        load.loaded_weight = _buffered(session, load.loaded_weight)
     state.loaded_weights.append(load)
     state.writes.extend(relative)
     state.load_numel += numel
@@ -366,25 +372,25 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
     pieces = _loaded_pieces(module.quant_method, unit_meta.shape, state.loaded_weights, device, first)
     weight = as_param = None
     flags: list[torch.Tensor] = []  # with defer_checks: what the checks found, read at finalize (Limitations 12)
-    if pieces is None:
-        # CPU: the unit reuses the staging buffer's touched memory
-        weight = empty_like_metas({param_name: unit_meta}, session.device, session.staging)[param_name]
-        # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
-        # own loader, which writes only param[index] (checked above on meta), fills it
-        as_param = weight.unsqueeze(0).expand(meta.shape)
-        with _deferral(session, flags):  # host-to-device copies that do not wait, as a module's replay
+    # checks recorded and host-to-device copies that do not wait, as in a module's replay and processing
+    with _deferral(session, flags):
+        if pieces is None:
+            # CPU: the unit reuses the staging buffer's touched memory
+            weight = empty_like_metas({param_name: unit_meta}, session.device, session.staging)[param_name]
+            # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
+            # own loader, which writes only param[index] (checked above on meta), fills it
+            as_param = weight.unsqueeze(0).expand(meta.shape)
             for buffered in state.loaded_weights:
                 info.weight_loaders[param_name](as_param, buffered.loaded_weight, buffered.shard_id)
-    started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
-    try:
-        with _deferral(session, flags):
+        started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
+        try:
             if pieces is None:
                 module.quant_method.process_expert(module, param_name, index, weight, targets)
             else:
                 module.quant_method.process_expert(module, param_name, index, None, targets, weight_pieces=pieces)
-    except NonFiniteWeightError as e:  # raised by the scale, before any write
-        info.units_started = started_before
-        raise _non_finite_unit(info, unit, state) from e
+        except NonFiniteWeightError as e:  # raised by the scale, before any write
+            info.units_started = started_before
+            raise _non_finite_unit(info, unit, state) from e
     del weight, as_param
     _defer(session, info.prefix, flags, state.loaded_weights)
     _unit_processed(module, info, unit, state)

@@ -34,7 +34,6 @@ from torch import nn
 from layerwise.errors import (
     LayerwiseError,
     ReloadError,
-    WeightShapeError,
 )
 from layerwise.reload.kernel_format import KernelTensorWriter
 from layerwise.reload.session import (
@@ -148,7 +147,7 @@ class WeightUpdate:
                         self._load_checkpoint_tensor(name, tensor)
                 else:
                     for name, tensor in batch:
-                        self._load_kernel_tensor(name, tensor)
+                        self._writer.write(name, tensor)
                 # queued copies may still read the batch, which the caller may reuse (a trainer's IPC tensors) or
                 # the transport refill once this returns: wait for the device (and read the deferred checks)
                 if self.session is not None and self.session.defer_checks:
@@ -163,9 +162,7 @@ class WeightUpdate:
                 self._own_buffered(batch)
 
     def _load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        if not tensor.is_floating_point():
-            raise WeightShapeError(f"a checkpoint-format tensor must be floating point, got {tensor.dtype}", key=name)
-        route = name
+        route = name  # an integer tensor is refused by the parameter's loader (quant.parameters.check_loaded_dtype)
         if self._tied and name in _TIED_NAMES:  # Limitations 4: one tied weight, whichever name arrives
             if self._tied_seen not in (None, name):
                 return
@@ -196,9 +193,6 @@ class WeightUpdate:
                 w = buffered.loaded_weight
                 if w.device.type == "cpu" and w.untyped_storage().data_ptr() in storages:
                     buffered.loaded_weight = w.clone()
-
-    def _load_kernel_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        self._writer.write(name, tensor)
 
     # -- ending ----------------------------------------------------------------------------------
     def finish(self) -> ReloadReport:
