@@ -140,7 +140,13 @@ def pieces_fit(shape: torch.Size | tuple, spans: list[tuple[int, int]], granular
 
 
 def fp8_quantize_pieces(
-    pieces: list[tuple[int, torch.Tensor]], shape: torch.Size | tuple, granularity: str, out: torch.Tensor, kernel: str
+    pieces: list[tuple[int, torch.Tensor]],
+    shape: torch.Size | tuple,
+    granularity: str,
+    out: torch.Tensor,
+    kernel: str,
+    *,
+    out_fresh: bool = False,
 ) -> torch.Tensor:
     """Quantize a weight that is given as contiguous pieces, without assembling it: the scale(s) from every
     piece's amax, then each piece straight into its region of ``out``. Bytes and scales equal
@@ -150,15 +156,40 @@ def fp8_quantize_pieces(
         pieces: (flat element offset, contiguous tensor) covering ``shape`` exactly once, each on out's device;
             they must fit the granularity (:func:`pieces_fit`).
         shape: the weight's shape ([N, K] for "channel" and "block").
-        out: contiguous float8_e4m3fn tensor of ``shape``, written only after every piece's amax is known.
+        out: contiguous float8_e4m3fn tensor of ``shape``, written only after every piece's amax is known, unless
+            ``out_fresh``.
+        out_fresh: ``out`` is a new tensor nothing reads yet (a first load), so it may be written before every
+            amax is known: per channel on the CPU, each piece is then quantized in the same native pass as its amax
+            (:func:`cpu_native.scale_quantize`), reading it from memory once instead of twice.
     Returns:
         the float32 scale, shaped as :func:`scale_shape`.
     Raises:
-        NonFiniteWeightError: a piece holds NaN or Inf (nothing is written).
+        NonFiniteWeightError: a piece holds NaN or Inf (nothing is written; with ``out_fresh``, ``out`` may hold
+            a partial result).
     """
+    if out_fresh and _one_pass(pieces, granularity, out, kernel):
+        scale = torch.empty(scale_shape(shape, granularity), dtype=torch.float32)
+        flat, k = out.view(-1), shape[1]
+        for off, t in pieces:
+            rows, r0 = t.numel() // k, off // k
+            cpu_native.scale_quantize(t.view(rows, k), flat[off : off + t.numel()].view(rows, k), scale[r0 : r0 + rows])
+        return scale
     scale = _pieces_scale(pieces, shape, granularity, kernel)
     _quantize_pieces_with(pieces, scale, shape, granularity, out, kernel)
     return scale
+
+
+def _one_pass(pieces: list[tuple[int, torch.Tensor]], granularity: str, out: torch.Tensor, kernel: str) -> bool:
+    """Whether :func:`fp8_quantize_pieces` with a fresh ``out`` quantizes each piece in one native pass with its
+    amax: per channel, the CPU's native kernels for every piece and for ``out``, no deferred finite checks."""
+    return (
+        granularity == "channel"
+        and kernel != "triton"
+        and finite.deferred_sink() is None
+        and cpu_native.available()
+        and cpu_native.supports_out(out)
+        and all(cpu_native.supports(t) for _, t in pieces)
+    )
 
 
 def fp8_scale_pieces_batch(
@@ -277,6 +308,9 @@ def fp8_quantize_weight(
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
+    if granularity == "channel" and kernel != "triton" and cpu_native.supports(w) and finite.deferred_sink() is None:
+        q = torch.empty(w.shape, dtype=FP8_DTYPE)
+        return q, cpu_native.scale_quantize(w, q)  # one pass over w's memory instead of two
     scale = fp8_scale(w, granularity, kernel)
     # the scale comes from w's own amax, so |w| / scale < 464: the reference may skip its clamp
     return fp8_quantize(w, scale, kernel, within_range=True), scale

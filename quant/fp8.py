@@ -60,6 +60,7 @@ from layerwise.kernels import (
     fp8_dequantize,
     fp8_quantize,
     fp8_quantize_pieces,
+    fp8_quantize_weight,
     fp8_scale,
     pieces_fit,
     scale_from_amax,
@@ -203,8 +204,11 @@ class Fp8LinearMethod(QuantMethod):
         if weight_pieces is not None:
             check_finite(layer, skip=("weight",))
             q = target.data if target is not None else torch.empty(w.shape, dtype=FP8_DTYPE, device=device)
-            scale = fp8_quantize_pieces(weight_pieces, w.shape, self.granularity, q, self.kernel)
+            scale = fp8_quantize_pieces(
+                weight_pieces, w.shape, self.granularity, q, self.kernel, out_fresh=target is None
+            )
         else:
+            q = None
             if self.amax_reduce is not None and partial:
                 amax = fp8_amax(w.data, self.granularity, self.kernel)
                 try:
@@ -213,12 +217,16 @@ class Fp8LinearMethod(QuantMethod):
                     self.amax_reduce(torch.full_like(amax, float("inf")))
                     raise
                 scale = scale_from_amax(self.amax_reduce(amax))  # max over ranks; +Inf from any rank raises on all
-            else:
+            elif target is None:  # a fresh output: per channel on the CPU, one pass over the weight
                 check_finite(layer, skip=("weight",))  # the weight's own check is its amax
+                q, scale = fp8_quantize_weight(w.data, self.granularity, self.kernel)
+            else:
+                check_finite(layer, skip=("weight",))
                 scale = fp8_scale(w.data, self.granularity, self.kernel)
-            # the scale comes from the weight's own amax (or a max over ranks): the reference may skip its clamp
-            out = target.data if target is not None else None
-            q = fp8_quantize(w.data, scale, self.kernel, within_range=True, out=out)
+            if q is None:
+                # the scale comes from the weight's own amax (or a max over ranks): the reference may skip its clamp
+                out = target.data if target is not None else None
+                q = fp8_quantize(w.data, scale, self.kernel, within_range=True, out=out)
         del layer.weight
         layer.weight = nn.Parameter(q, requires_grad=False)
         scale = scale.reshape(1) if self.granularity == "tensor" else scale

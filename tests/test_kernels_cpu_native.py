@@ -163,6 +163,50 @@ def test_amax_and_quantize_of_a_ragged_weight_split_over_threads(granularity, dt
 
 
 @native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_scale_quantize_equals_torchs_cast_with_each_rows_scale(dtype, threads):
+    # the fused per-channel pass: every finite bfloat16 (rows of 768, sorted so that the table path runs, then
+    # shuffled), and a ragged 1030 x 1100 weight split over threads; scales as the reference's, bytes as torch casts
+    g = torch.Generator().manual_seed(12)
+    x = _every_bf16().reshape(-1)
+    x = x[x.float().isfinite()]
+    weights = [x.sort().values[: 85 * 768], x[torch.randperm(x.numel(), generator=g)][: 85 * 768]]
+    weights = [w.reshape(85, 768).to(dtype).contiguous() for w in weights]
+    weights.append((torch.randn(1030, 1100, generator=g) * 0.02).to(dtype))
+    weights[-1][1029, 1099] = -1.5  # the last row's last element: the last thread's range must count
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for w in weights:
+            out = torch.empty(w.shape, dtype=FP8)
+            scale = cpu_native.scale_quantize(w, out)
+            want = reference.scale_from_amax(w.float().abs().amax(dim=1, keepdim=True))
+            assert torch.equal(scale, want)
+            assert torch.equal(_bits(out), _bits(_own_cast(w, want)))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@native
+def test_scale_quantize_writes_into_a_slice_of_scales_and_raises_on_a_non_finite_row():
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(13)).bfloat16()
+    scales = torch.zeros(400, 1)
+    out = torch.empty(w.shape, dtype=FP8)
+    got = cpu_native.scale_quantize(w, out, scales[100:])
+    assert got.data_ptr() == scales[100:].data_ptr() and not scales[:100].any()
+    assert torch.equal(scales[100:], reference.scale_from_amax(reference.amax(w, "channel")))
+    with pytest.raises(ValueError, match="scale_out"):
+        cpu_native.scale_quantize(w, out, scales[:300].t())  # not [300, 1]
+    w[150, 7] = float("nan")
+    with pytest.raises(layerwise.NonFiniteWeightError):
+        cpu_native.scale_quantize(w, out)
+    w[150, 7] = float("inf")
+    with pytest.raises(layerwise.NonFiniteWeightError):
+        cpu_native.scale_quantize(w, out)
+
+
+@native
 @pytest.mark.parametrize("granularity", reference.GRANULARITIES)
 def test_amax_of_nan_and_inf_groups(granularity):
     w = torch.ones(256, 384, dtype=torch.bfloat16)

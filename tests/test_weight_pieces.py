@@ -42,13 +42,21 @@ def _pieces(sizes, k, dtype, seed=0):
 @pytest.mark.parametrize("split", ROW_SPLITS)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_pieces_quantize_as_the_assembled_weight(split, granularity, dtype):
+@pytest.mark.parametrize("out_fresh", [False, True], ids=["live-out", "fresh-out"])
+def test_pieces_quantize_as_the_assembled_weight(split, granularity, dtype, out_fresh, monkeypatch):
     whole, pieces = _pieces(ROW_SPLITS[split], 300, dtype)
     assert pieces_fit(whole.shape, [(o, t.numel()) for o, t in pieces], granularity)
+    one_pass = []
+    if cpu_native.available():
+        fused = cpu_native.scale_quantize
+        monkeypatch.setattr(cpu_native, "scale_quantize", lambda *a: one_pass.append(1) or fused(*a))
     out = torch.zeros(whole.shape, dtype=FP8)
-    scale = fp8_quantize_pieces(pieces, whole.shape, granularity, out, "torch")
+    scale = fp8_quantize_pieces(pieces, whole.shape, granularity, out, "torch", out_fresh=out_fresh)
     q, want = torch_fp8_reference(whole, granularity)  # torch's own cast, scales computed in the test helper
     assert torch.equal(scale.reshape(want.shape), want) and torch.equal(_bits(out), _bits(q))
+    # a fresh output per channel: each piece in one native pass with its amax; never into a live output
+    taken = out_fresh and granularity == "channel" and cpu_native.available()
+    assert len(one_pass) == (len(pieces) if taken else 0)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "weight-by-weight"])
@@ -111,13 +119,16 @@ def test_pieces_fit_whole_rows_only():
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_a_non_finite_piece_raises_before_any_write(granularity):
+@pytest.mark.parametrize("out_fresh", [False, True], ids=["live-out", "fresh-out"])
+def test_a_non_finite_piece_raises_before_any_write(granularity, out_fresh):
     parts = [torch.ones(128, 64), torch.ones(128, 64)]
     parts[1][100, 3] = float("nan")
     out = torch.zeros(256, 64, dtype=FP8)
     with pytest.raises(NonFiniteWeightError):
-        fp8_quantize_pieces([(0, parts[0]), (128 * 64, parts[1])], (256, 64), granularity, out, "torch")
-    assert not _bits(out).any()
+        pieces = [(0, parts[0]), (128 * 64, parts[1])]
+        fp8_quantize_pieces(pieces, (256, 64), granularity, out, "torch", out_fresh=out_fresh)
+    if not out_fresh:  # a fresh output may hold a partial result: the load that made it fails
+        assert not _bits(out).any()
 
 
 def test_record_loader_finds_verbatim_copies_only():
