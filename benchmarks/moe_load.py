@@ -6,7 +6,7 @@ gate_proj/up_proj/down_proj keys, hidden : moe_intermediate = 2048 : 768) with f
 hidden size (sizes below); random BF16 normal(0, 0.02) weights written with safetensors, one shard per
 decoder layer, cached under --cache-dir. Every method runs in a fresh subprocess through
 ``layerwise.benchmarks.peak_memory``'s worker (same tracker; the fastest load after the first of --loads; every
-allocation of 128 KiB or more in fresh pages, as in a process's one real load: ``MMAP_THRESHOLD``):
+allocation of 128 KiB or more in fresh pages, as in a process's one real load: ``workers.PAGES_ENV["fresh"]``):
 
   floor-read-copy           read every checkpoint tensor and copy it to the device
   layerwise-fp8-per-*       layerwise.load_model, the three FP8 schemes (one expert unit at a time)
@@ -40,7 +40,7 @@ import torch
 from layerwise.benchmarks.checkpoints import WEIGHT_STD
 from layerwise.benchmarks.machine import describe_machine, provenance
 from layerwise.benchmarks.options import RESULTS_NOTE, add_output_arguments, default_cache_dir, require, write_json
-from layerwise.benchmarks.workers import run_worker
+from layerwise.benchmarks.workers import PAGES_ENV, run_worker
 
 #: Qwen3-30B-A3B: 48 layers, hidden 2048, moe_intermediate 768, 128 experts, top-8, 32 q / 4 kv heads of 128
 SIZES = {
@@ -82,9 +82,6 @@ SIZES = {
     ),
 }
 NUM_EXPERTS, TOP_K = 128, 8
-#: bytes: the workers' glibc serves every allocation this large with fresh pages (MALLOC_MMAP_THRESHOLD_, which also
-#: turns off its adaptive threshold), so no load reuses the pages an earlier load in the process freed
-MMAP_THRESHOLD = 128 * 1024
 TARGETS = {"peak_over_final": 1.05, "time_over_floor": 1.5}  # issue 13, for the layerwise methods
 LAYERWISE = ["fp8-per-tensor", "fp8-per-channel", "fp8-per-block"]
 METHODS = ["floor-read-copy"] + [f"layerwise-{s}" for s in LAYERWISE] + ["hf+torchao-quantize_"]
@@ -282,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     # every load in fresh pages, as the one load of a real process: with glibc's adaptive mmap threshold the
     # floor's third load reused the freed pages of the ones before (0.04-0.056 s against 0.10 s fresh), a
     # reuse FP8 models (25 MB expert tensors here) mostly do not get
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    for name, value in PAGES_ENV["fresh"].items():
+        os.environ.setdefault(name, value)
     start = time.perf_counter()
     load_before = os.getloadavg()  # other work on the machine makes CPU timings noisy: record how much
     result = run(size, args.device, args.cache_dir or default_cache_dir(), args.loads, args.timeout)

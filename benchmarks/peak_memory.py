@@ -20,6 +20,12 @@ interpreter after ``import torch``: each method's process imports it before the 
 load is also the tracked one (the allocator's statistics cost nothing); on CPU the tracker slows
 every operator, so the memory is measured in one more load after the timed ones.
 
+Every method's process gets one regime of glibc's heap (``--pages``, ``workers.PAGES_ENV``): "fresh" (the default)
+maps every allocation of 128 KiB or more anew, so each load pays the page faults of the memory it writes, as the one
+load of a real process does; "reused" keeps freed memory, so a load after the first reuses the pages the one before
+it freed (a loop of loads in one process). Left to glibc, which regime a method's later loads got depended on what
+it happened to free, and the steady-state ratios with it.
+
 On CPU, a method that keeps memory-mapped checkpoint tensors as parameters (transformers does, for
 embeddings, lm_head and norms) is charged their bytes on top of its tracked peak
 (``untracked_final_bytes``): on a GPU they would be device memory too. For hf+torchao-quantize_ the
@@ -28,8 +34,8 @@ mmap views on CPU), a lower bound of its GPU peak. hf-TorchAoConfig quantizes in
 so the mmap views it drops along the way are not counted: its CPU figure is a lower bound too. On a GPU
 without accelerate, the HF methods load on the CPU and move the model (``hf_placement`` says which).
 
-    layerwise bench [--size small|default|0.9b|8b] [--device cpu|cuda] [--loads N] [--timeout S]
-                    [--out-dir DIR] [--cache-dir DIR]
+    layerwise bench [--size small|default|0.9b|8b] [--device cpu|cuda] [--loads N] [--pages fresh|reused]
+                    [--timeout S] [--out-dir DIR] [--cache-dir DIR]
     python -m layerwise.benchmarks.peak_memory ...   (the same)
 
 Writes DIR/<name>.json (every figure above, plus the memory timelines and where it ran: device name,
@@ -58,7 +64,7 @@ from layerwise.benchmarks.options import (
     write_json,
 )
 from layerwise.benchmarks.readme import peak_memory_table
-from layerwise.benchmarks.workers import run_worker
+from layerwise.benchmarks.workers import PAGES_ENV, run_worker
 
 LAYERWISE = ["fp8-per-tensor", "fp8-per-channel", "fp8-per-block", "torchao:Float8WeightOnlyConfig"]
 # in the order they run: the floor first (every ratio needs it), the peers last
@@ -313,6 +319,7 @@ def run(
     timeout: float | None = None,
     skipped: dict[str, str] | None = None,
     deadline: float | None = None,
+    pages: str = "fresh",
 ) -> dict:
     """Every method in its own subprocess on the ``size`` checkpoint (generated under ``cache`` if needed);
     returns the result that main writes as JSON (bytes, seconds, ratios).
@@ -323,7 +330,11 @@ def run(
         timeout: seconds each method's process may take; deadline: a ``time.monotonic()`` after which no
             method starts and the running one is cut off (each is recorded with its reason, as are the
             ``skipped`` methods: method -> reason).
+        pages: the workers' heap regime, a key of ``workers.PAGES_ENV`` ("fresh" or "reused").
+    Raises:
+        KeyError: an unknown ``pages``.
     """
+    env = PAGES_ENV[pages]
     from layerwise.checkpoint import Checkpoint
 
     path = make_checkpoint(size, cache, device=device, verbose=True)
@@ -342,7 +353,8 @@ def run(
                 continue
             limit = left if limit is None else min(limit, left)
         n = hf_loads if (hf_loads and method.startswith("hf")) else loads
-        out = run_worker("peak_memory", "worker", dict(method=method, path=str(path), device=device, loads=n), limit)
+        kwargs = dict(method=method, path=str(path), device=device, loads=n)
+        out = run_worker("peak_memory", "worker", kwargs, limit, env=env)
         if out.rows:
             rows.append(out.rows[0])
         else:
@@ -372,6 +384,8 @@ def run(
         "checkpoint_bytes": ckpt.total_bytes,
         "largest_layer_checkpoint_bytes": largest,
         "loads_per_method": loads,
+        "pages": pages,
+        "malloc_env": env,
         "import_layerwise_seconds": imports,
         "machine": describe_machine(device),
         "results": rows,
@@ -451,9 +465,16 @@ def main(argv=None) -> int:
         help="loads per method in its process: the first, then the steady state (default: 2)",
     )
     parser.add_argument(
+        "--pages",
+        choices=sorted(PAGES_ENV),
+        default="fresh",
+        help="glibc's heap in every method's process: fresh pages for every load (as a process's one load), or "
+        "the pages an earlier load freed reused (a loop of loads); default: fresh",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=None, metavar="S", help="seconds each method may take (default: no limit)"
     )
-    add_output_arguments(parser, default_name="peak_memory_<device>_<size>")
+    add_output_arguments(parser, default_name="peak_memory_<device>_<size>[_reused]")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -461,8 +482,9 @@ def main(argv=None) -> int:
         parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     require(required_modules(methods, args.device))
 
-    result = run(args.size, args.device, methods, args.cache_dir or default_cache_dir(), args.loads, None, args.timeout)
-    name = args.name or f"peak_memory_{args.device}_{args.size}"
+    cache = args.cache_dir or default_cache_dir()
+    result = run(args.size, args.device, methods, cache, args.loads, None, args.timeout, pages=args.pages)
+    name = args.name or f"peak_memory_{args.device}_{args.size}" + ("" if args.pages == "fresh" else f"_{args.pages}")
     path = write_json(result, args.out_dir, name)
     plot(result, path.with_suffix(".png"))
     print(peak_memory_table(result))

@@ -20,6 +20,18 @@ from dataclasses import dataclass, field
 
 ROW_PREFIX = "@@layerwise-row "
 
+#: How glibc's malloc treats a load benchmark's memory in its worker processes (environment variables per regime).
+#: "fresh": every allocation of 128 KiB or more is mapped anew and unmapped when freed (MALLOC_MMAP_THRESHOLD_, which
+#: also turns off glibc's adaptive threshold), so every load pays the page faults of the memory it writes, as the one
+#: load of a real process does. "reused": nothing is unmapped or trimmed, so a load after the first reuses the pages
+#: the one before it freed (a loop of loads in one process). Left to glibc's own heuristics, which of the two a
+#: method's second load got depended on the sizes it happened to free: two runs of the same code timed the floor at
+#: 0.22 s and at 0.5 s, so every method of a run gets one regime.
+PAGES_ENV = {
+    "fresh": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)},
+    "reused": {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)},
+}
+
 
 @dataclass
 class WorkerResult:
@@ -36,20 +48,30 @@ def _rows(stdout: str | bytes | None) -> list[dict]:
     return [json.loads(line[len(ROW_PREFIX) :]) for line in (stdout or "").splitlines() if line.startswith(ROW_PREFIX)]
 
 
-def run_worker(module: str, function: str, kwargs: dict, timeout: float | None = None) -> WorkerResult:
+def run_worker(
+    module: str, function: str, kwargs: dict, timeout: float | None = None, env: dict[str, str] | None = None
+) -> WorkerResult:
     """Run ``layerwise.benchmarks.<module>.<function>(**kwargs)`` in a fresh interpreter (``module`` may also
     be a full dotted name: "pkg.mod").
 
     Args:
         kwargs: JSON-serializable keyword arguments.
         timeout: seconds before the process is killed (None: no limit).
+        env: environment variables set for the process on top of this one's (e.g. a :data:`PAGES_ENV` regime).
     Returns:
         a :class:`WorkerResult`; never raises for a failing or slow worker.
     """
     cmd = [sys.executable, "-m", "layerwise.benchmarks.workers", module, function, json.dumps(kwargs)]
     start = time.perf_counter()
     # a session of its own: on timeout the whole group goes (compile workers too), so the pipes close
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **env} if env else None,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

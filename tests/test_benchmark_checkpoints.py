@@ -96,6 +96,31 @@ def rows_then_fail():
     raise RuntimeError("boom in the worker")
 
 
+def environment(names: list[str]):
+    """A worker for the test below: the values of the environment variables ``names`` in its process."""
+    import os
+
+    yield {name: os.environ.get(name) for name in names}
+
+
+def test_run_worker_sets_each_pages_regime_in_the_worker_only(monkeypatch):
+    import os
+    from pathlib import Path
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")  # the caller's own environment still reaches the worker
+    names = ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "PYTHONPATH"]
+    before = dict(os.environ)
+    for pages, env in workers.PAGES_ENV.items():
+        out = workers.run_worker("tests.test_benchmark_checkpoints", "environment", {"names": names}, 60, env=env)
+        (row,) = out.rows
+        assert row["MALLOC_MMAP_THRESHOLD_"] == env["MALLOC_MMAP_THRESHOLD_"], pages
+        assert row["MALLOC_TRIM_THRESHOLD_"] == env.get("MALLOC_TRIM_THRESHOLD_", "123"), pages
+        assert row["PYTHONPATH"]
+    assert int(workers.PAGES_ENV["fresh"]["MALLOC_MMAP_THRESHOLD_"]) == 128 * 1024  # below any weight's size
+    assert dict(os.environ) == before  # this process is left as it was
+
+
 def test_run_worker_keeps_the_rows_of_a_worker_that_times_out_or_fails(monkeypatch):
     from pathlib import Path
 

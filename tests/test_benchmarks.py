@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from layerwise import cli
-from layerwise.benchmarks import checkpoints, peak_memory, quant_kernels, readme, reload_latency
+from layerwise.benchmarks import checkpoints, peak_memory, quant_kernels, readme, reload_latency, workers
 from layerwise.checkpoint import Checkpoint
 from layerwise.errors import MissingDependencyError
 
@@ -59,6 +59,7 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
     result = json.loads((out / "peak_memory_cpu_small.json").read_text())
     assert (out / "peak_memory_cpu_small.png").stat().st_size > 10_000
     assert result["largest_layer_checkpoint_bytes"] > 0 and result["machine"]["torch"]
+    assert result["pages"] == "fresh" and result["malloc_env"] == workers.PAGES_ENV["fresh"]  # every method alike
     rows = {r["method"]: r for r in result["results"]}
     assert set(rows) == set(methods.split(","))
     floor = rows["floor-read-copy"]["seconds"]
