@@ -53,6 +53,18 @@ def _f(value, fmt: str = ".2f") -> str:
     return "" if value is None else format(value, fmt)
 
 
+def _pages_note(pm: dict) -> str:
+    """What the run's heap regime (peak_memory ``--pages``) means for its load times, or "" for older results."""
+    if pm.get("pages") == "fresh":
+        return (
+            "\nEvery load writes fresh pages (`--pages fresh`, glibc's mmap threshold at 128 KiB) and pays their "
+            "page faults,\nas a process's one real load does; `--pages reused` times a loop of loads instead."
+        )
+    if pm.get("pages") == "reused":
+        return "\nEvery load after the first reuses the pages the one before it freed (`--pages reused`)."
+    return ""
+
+
 def peak_memory_table(result: dict) -> str:
     """Markdown table of a peak_memory result: MiB, ratios, seconds per method (with the first load in the
     process and first - second where the result has them)."""
@@ -226,7 +238,23 @@ def _written_by(pm: dict) -> str:
     return "of random weights written with safetensors" if pm.get("date") else "written by transformers"
 
 
-def _peak_memory(pm: dict, image: str | None) -> str:
+def _reused_pages_line(pm: dict, reused: tuple[str, dict] | None) -> str | None:
+    """The load ratios of a ``--pages reused`` run of the same checkpoint, as one bullet (None: no such run)."""
+    if reused is None or reused[1].get("size") != pm.get("size"):
+        return None
+    stem, data = reused
+    rows = {r["method"]: r for r in data["results"] if "time_over_floor" in r and r["method"].startswith("layerwise-")}
+    floor = next((r for r in data["results"] if r["method"] == "floor-read-copy" and "seconds" in r), None)
+    if not rows or floor is None:
+        return None
+    ratios = ", ".join(f"{m[len('layerwise-') :]} {r['time_over_floor']:.2f}x" for m, r in rows.items())
+    return (
+        f"* With `--pages reused` (a loop of loads in one process, each reusing the pages the one before it freed;\n"
+        f"  `{REFERENCE_DIR}/{stem}.json`, floor {floor['seconds']:.2f} s):\n  load / floor {ratios}."
+    )
+
+
+def _peak_memory(pm: dict, image: str | None, reused: tuple[str, dict] | None = None) -> str:
     cfg = pm["config"]
     rows = {r["method"]: r for r in pm["results"] if "error" not in r}
     parts = [
@@ -234,7 +262,7 @@ def _peak_memory(pm: dict, image: str | None) -> str:
 
 A {cfg["num_hidden_layers"]}-layer Llama checkpoint (hidden {cfg["hidden_size"]}, \
 intermediate {cfg["intermediate_size"]}, vocab {cfg["vocab_size"]}) {_written_by(pm)} in BF16,
-{pm["checkpoint_bytes"] / MIB:,.0f} MiB; every method in a fresh process, measured by the same tracker.
+{pm["checkpoint_bytes"] / MIB:,.0f} MiB; every method in a fresh process, measured by the same tracker.{_pages_note(pm)}
 {f"{chr(10)}![memory timeline]({image}){chr(10)}" if image else ""}
 {peak_memory_table(pm)}"""
     ]
@@ -290,6 +318,9 @@ intermediate {cfg["intermediate_size"]}, vocab {cfg["vocab_size"]}) {_written_by
   is read twice from the memory-mapped checkpoint (amax, then quantize into fresh FP8 memory) where the floor
   copies it once into fresh BF16 memory; both are bound by page faults, and on a shared VM the floor's
   best time varies from run to run more than ours does.""")
+    line = _reused_pages_line(pm, reused)
+    if line:
+        parts.append(line)
     return parts[0] + "\n\n" + "\n".join(parts[1:])
 
 
@@ -451,8 +482,9 @@ def device_key(data: dict) -> str:
 def latest_results(results: Path, by=None) -> dict[tuple, tuple[str, dict]]:
     """(benchmark, device key) -> (file stem, data) of the newest results JSON in ``results``: the latest
     ``date`` field (files without one count as oldest), ties broken by file name. ``by``: another grouping
-    key of a results dict (default: its benchmark and device key)."""
-    by = by or (lambda data: (data["benchmark"], device_key(data)))
+    key of a results dict (default: its benchmark and device key; a peak_memory run in a heap regime other than
+    the default one counts as the benchmark "peak_memory_<pages>", e.g. peak_memory_reused)."""
+    by = by or (lambda data: (_benchmark_name(data), device_key(data)))
     latest: dict = {}
     for path in sorted(results.glob("*.json")):
         data = json.loads(path.read_text())
@@ -463,6 +495,11 @@ def latest_results(results: Path, by=None) -> dict[tuple, tuple[str, dict]]:
         if key not in latest or rank > latest[key][0]:
             latest[key] = (rank, path.stem, data)
     return {key: (stem, data) for key, (_, stem, data) in latest.items()}
+
+
+def _benchmark_name(data: dict) -> str:
+    pages = data.get("pages", "fresh")
+    return data["benchmark"] if pages == "fresh" else f"{data['benchmark']}_{pages}"
 
 
 def _latest_per_size(results: Path, benchmark: str) -> list[dict]:
@@ -606,9 +643,10 @@ def section(results: Path, readme: Path) -> str:
     png = results.resolve() / f"{latest[('peak_memory', 'cpu')][0]}.png"
     image = Path(os.path.relpath(png, readme.resolve().parent)).as_posix() if png.exists() else None
     pm = data["peak_memory"]
+    reused = latest.get(("peak_memory_reused", "cpu"))
     parts = [
         _intro(pm),
-        _peak_memory(pm, image),
+        _peak_memory(pm, image, reused),
         _reload_latency(data["reload_latency"], pm),
         _weight_transfer(data["weight_transfer"], pm),
         _tp_load(data["tp_load"], pm),

@@ -425,3 +425,17 @@ def test_first_load_profile_packages():
     assert package_of("/work/main/kernels/fp8_tiles.py") == "layerwise"
     assert package_of("/usr/lib/python3.12/importlib/__init__.py") == "stdlib:importlib"
     assert package_of("~") == "builtins" and package_of("<frozen importlib._bootstrap>") == "builtins"
+
+
+def test_readme_keeps_a_reused_pages_run_apart_from_the_default_one(tmp_path):
+    # a --pages reused run of peak_memory is newer but must not replace the default (fresh pages) table: it is its
+    # own benchmark for the README, shown as one more line under the table
+    committed = json.loads((REFERENCE / "peak_memory_cpu_0.9b.json").read_text())
+    reused = dict(committed, pages="reused", date="9999-01-01")
+    (tmp_path / "peak_memory_cpu_0.9b.json").write_text(json.dumps(committed))
+    (tmp_path / "peak_memory_cpu_0.9b_reused.json").write_text(json.dumps(reused))
+    latest = readme.latest_results(tmp_path)
+    assert latest[("peak_memory", "cpu")][0] == "peak_memory_cpu_0.9b"
+    assert latest[("peak_memory_reused", "cpu")][0] == "peak_memory_cpu_0.9b_reused"
+    line = readme._reused_pages_line(committed, latest[("peak_memory_reused", "cpu")])
+    assert "peak_memory_cpu_0.9b_reused.json" in line and "fp8-per-tensor" in line
