@@ -20,7 +20,7 @@ interpreter after ``import torch``: each method's process imports it before the 
 load is also the tracked one (the allocator's statistics cost nothing); on CPU the tracker slows
 every operator, so the memory is measured in one more load after the timed ones.
 
-Every method's process gets one regime of glibc's heap (``--pages``, ``workers.PAGES_ENV``): "fresh" (the default)
+Every method's process gets one regime of glibc's heap (``--pages``): "fresh" (the default)
 maps every allocation of 128 KiB or more anew, so each load pays the page faults of the memory it writes, as the one
 load of a real process does; "reused" keeps freed memory, so a load after the first reuses the pages the one before
 it freed (a loop of loads in one process). Left to glibc, which regime a method's later loads got depended on what
