@@ -189,7 +189,10 @@ def run(size: str, device: str, cache: Path, loads: int = 6, timeout: float | No
     rows = []
     for method in METHODS:
         args = dict(method=method, path=str(path), device=device, loads=loads)
-        out = run_worker("peak_memory", "worker", args, timeout)
+        # every load in fresh pages, as the one load of a real process: with glibc's adaptive mmap threshold the
+        # floor's third load reused the freed pages of the ones before (0.04-0.056 s against 0.10 s fresh), a
+        # reuse FP8 models (25 MB expert tensors here) mostly do not get
+        out = run_worker("peak_memory", "worker", args, timeout, env=PAGES_ENV["fresh"])
         if not out.rows:
             rows.append({"method": method, "error": out.error})
             print(f"  {method}: did not run: {out.error}", file=sys.stderr)
@@ -276,17 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     require(["transformers", "torchao"], purpose="python -m layerwise.benchmarks.moe_load")  # before any work
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the worker processes
-    # every load in fresh pages, as the one load of a real process: with glibc's adaptive mmap threshold the
-    # floor's third load reused the freed pages of the ones before (0.04-0.056 s against 0.10 s fresh), a
-    # reuse FP8 models (25 MB expert tensors here) mostly do not get
-    for name, value in PAGES_ENV["fresh"].items():
-        os.environ.setdefault(name, value)
     start = time.perf_counter()
     load_before = os.getloadavg()  # other work on the machine makes CPU timings noisy: record how much
     result = run(size, args.device, args.cache_dir or default_cache_dir(), args.loads, args.timeout)
     result["load_average_1_5_15_min"] = {"before": load_before, "after": os.getloadavg()}
     result["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
-    result["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    result["malloc_mmap_threshold"] = PAGES_ENV["fresh"]["MALLOC_MMAP_THRESHOLD_"]
     result["wall_seconds"] = time.perf_counter() - start
     default_name = f"moe_load_{args.device}" if size == device_default else f"moe_load_{args.device}_{size}"
     path = write_json(result, args.out_dir, args.name or default_name)

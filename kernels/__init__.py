@@ -167,7 +167,7 @@ def fp8_quantize_pieces(
         NonFiniteWeightError: a piece holds NaN or Inf (nothing is written; with ``out_fresh``, ``out`` may hold
             a partial result).
     """
-    if out_fresh and _one_pass(pieces, granularity, out, kernel):
+    if out_fresh and cpu_native.supports_out(out) and _one_pass(pieces, granularity, kernel):
         scale = torch.empty(scale_shape(shape, granularity), dtype=torch.float32)
         flat, k = out.view(-1), shape[1]
         for off, t in pieces:
@@ -179,15 +179,14 @@ def fp8_quantize_pieces(
     return scale
 
 
-def _one_pass(pieces: list[tuple[int, torch.Tensor]], granularity: str, out: torch.Tensor, kernel: str) -> bool:
-    """Whether :func:`fp8_quantize_pieces` with a fresh ``out`` quantizes each piece in one native pass with its
-    amax: per channel, the CPU's native kernels for every piece and for ``out``, no deferred finite checks."""
+def _one_pass(pieces: list[tuple[int, torch.Tensor]], granularity: str, kernel: str) -> bool:
+    """Whether ``pieces`` of a weight with a fresh output are quantized each in one native pass with its amax
+    (:func:`cpu_native.scale_quantize`): per channel, the CPU's native kernels for every piece, no deferred finite
+    checks."""
     return (
         granularity == "channel"
         and kernel != "triton"
         and finite.deferred_sink() is None
-        and cpu_native.available()
-        and cpu_native.supports_out(out)
         and all(cpu_native.supports(t) for _, t in pieces)
     )
 
@@ -308,7 +307,7 @@ def fp8_quantize_weight(
     Raises:
         NonFiniteWeightError: ``w`` holds NaN or Inf.
     """
-    if granularity == "channel" and kernel != "triton" and cpu_native.supports(w) and finite.deferred_sink() is None:
+    if _one_pass([(0, w)], granularity, kernel):
         q = torch.empty(w.shape, dtype=FP8_DTYPE)
         return q, cpu_native.scale_quantize(w, q)  # one pass over w's memory instead of two
     scale = fp8_scale(w, granularity, kernel)

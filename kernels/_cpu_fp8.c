@@ -275,7 +275,7 @@ typedef struct {
     int64_t lo, hi;   /* this worker's range: elements (per tensor) or rows (per channel, per block row-blocks) */
     uint32_t result;  /* per tensor amax bits of [lo, hi) */
     int failed;       /* out of memory */
-    int64_t non_finite; /* scale_quantize: groups of [lo, hi) whose amax is NaN or Inf */
+    int64_t non_finite; /* scale_quantize: rows of [lo, hi) whose amax is NaN or Inf */
     int in_range;     /* quantize: the caller guarantees finite |w / scale| < 464 (a scale from w's own amax) */
 } Work;
 
@@ -389,7 +389,6 @@ static void quantize_worker(Work *w) {
 static void scale_quantize_worker(Work *w) {
     const size_t es = elem_size(w->dtype);
     const int64_t k = w->k;
-    w->in_range = 1; /* every scale comes from its row's own amax */
     for (int64_t r = w->lo; r < w->hi; r++) {
         const char *row = w->src + r * k * es;
         int bad = 0;
@@ -509,6 +508,7 @@ static PyObject *py_scale_quantize(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "scale_quantize: per channel (granularity 1) only");
         return NULL;
     }
+    w.in_range = 1; /* every scale comes from its row's own amax */
     n_threads = threads_for(w.n_rows * w.k, n_threads);
     int used;
     int64_t non_finite = 0;
