@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from layerwise.kernels.fp8_act import GROUP_SIZE, quantize_activation, quantize_bits, scale_of
+from layerwise.kernels.fp8_act import ACT_GRANULARITIES, GROUP_SIZE, quantize_activation, quantize_bits, scale_of
 from layerwise.kernels.gemm_configs import tuned_fields
 from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, GRANULARITY_CODES, scale_layout
 from layerwise.kernels.triton_common import (
@@ -558,7 +558,7 @@ def dynamic_w8a8_gemm(
     granularity = scale_layout(weight, weight_scale)
     if act_granularity == "group" and granularity != "block" and k <= GROUP_SIZE:
         act_granularity = "token"  # one block's scale reads as one scale ([1, 1]); one group a row is one per token
-    if (act_granularity == "group") != (granularity == "block") or act_granularity not in ("group", "token", "tensor"):
+    if (act_granularity == "group") != (granularity == "block") or act_granularity not in ACT_GRANULARITIES:
         raise ValueError(
             f"dynamic_w8a8_gemm: activations per {act_granularity} do not go with per-{granularity} weights"
         )

@@ -153,6 +153,7 @@ class QuantConfig:
     amax_reduce: Callable | None = field(default=None, compare=False, repr=False)
     scheme: str = field(init=False)  # canonical: "fp8-per-tensor", "torchao:Float8WeightOnlyConfig", "none"
     _argument: str | None = field(init=False, repr=False)
+    _entry: _Scheme = field(init=False, repr=False, compare=False)  # the registered scheme, looked up once
 
     def __post_init__(self):
         name, argument = parse_scheme(self.quantization)
@@ -163,11 +164,11 @@ class QuantConfig:
         method = _SCHEMES[name].factory(argument, self.kernel, self.fp8_mode, self.amax_reduce)
         object.__setattr__(self, "scheme", method.name)
         object.__setattr__(self, "_argument", method.name.partition(":")[2] or None)
+        object.__setattr__(self, "_entry", _SCHEMES[name])
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
         """A new method for the Linear layer at ``prefix`` (e.g. "model.layers.0.mlp.down_proj")."""
-        factory = _SCHEMES[self.scheme.partition(":")[0]].factory
-        return factory(self._argument, self.kernel, self.fp8_mode, self.amax_reduce)
+        return self._entry.factory(self._argument, self.kernel, self.fp8_mode, self.amax_reduce)
 
     def get_moe_method(self, prefix: str) -> FusedMoEMethodBase:
         """A new method for the experts of the fused-MoE layer at ``prefix`` (e.g. "model.layers.0.mlp.experts").
@@ -175,7 +176,7 @@ class QuantConfig:
         Raises:
             ValueError: the scheme has no MoE method (torchao configs); the message lists the schemes that do.
         """
-        moe = _SCHEMES[self.scheme.partition(":")[0]].moe
+        moe = self._entry.moe
         if moe is None:
             supported = ", ".join(n for n, s in _SCHEMES.items() if s.moe is not None)
             raise ValueError(

@@ -50,7 +50,7 @@ from layerwise.kernels import (
     pieces_fit,
     scale_shape,
 )
-from layerwise.quant.fp8 import FP8_MODES, SCALE_NAMES, Fp8LinearMethod
+from layerwise.quant.fp8 import SCALE_NAMES, Fp8LinearMethod
 from layerwise.quant.moe_base import EXPERT_PARAMS, FusedMoEMethodBase
 
 
@@ -99,16 +99,13 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     """
 
     def __init__(self, granularity: str = "tensor", kernel: str = "torch", fp8_mode: str = "auto"):
-        if granularity not in SCALE_NAMES:
-            raise ValueError(f"unknown granularity {granularity!r}; choose one of {tuple(SCALE_NAMES)}")
-        if fp8_mode not in FP8_MODES:
-            raise ValueError(f"unknown fp8_mode {fp8_mode!r}; choose one of {FP8_MODES}")
+        # the dense method runs each expert's matmul (its W8A8 / W8A16 choice is cached per param: one shape each);
+        # it checks granularity and fp8_mode
+        self._dense = {p: Fp8LinearMethod(granularity, kernel, fp8_mode) for p in EXPERT_PARAMS}
         self.granularity, self.kernel, self.fp8_mode = granularity, kernel, fp8_mode
         self.name = f"fp8-per-{granularity}"
         dense_scale = SCALE_NAMES[granularity]  # "weight_scale" / "weight_scale_inv"
         self.scale_names = {p: p.replace("weight", dense_scale) for p in EXPERT_PARAMS}
-        # the dense method runs each expert's matmul (its W8A8 / W8A16 choice is cached per param: one shape each)
-        self._dense = {p: Fp8LinearMethod(granularity, kernel, fp8_mode) for p in EXPERT_PARAMS}
 
     def create_kernel_tensors(self, layer: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
         out = {}

@@ -23,11 +23,6 @@ def named_kernel_tensors(model: nn.Module, remove_duplicate: bool = True) -> dic
     return tensors
 
 
-def kernel_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What a kernel-format tensor may be written into: :func:`named_kernel_tensors`, tied duplicates included."""
-    return named_kernel_tensors(model, remove_duplicate=False)
-
-
 def check_kernel_tensor(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The kernel tensor ``name`` that ``tensor`` may be copied into, after checking it.
 
@@ -64,7 +59,7 @@ class KernelTensorWriter:
     def __init__(self, model: nn.Module, atomic: bool):
         self.atomic = atomic
         self.updated: list[str] = []
-        self._targets = kernel_targets(model)
+        self._targets = named_kernel_tensors(model, remove_duplicate=False)  # tied duplicates included
         self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:

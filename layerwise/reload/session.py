@@ -217,25 +217,25 @@ def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_nam
             return
         numel = written_numel(writes)
         completes = info.load_numel + numel >= info.load_numel_total
-        if not completes:
-            loaded_weight = _buffered(session, loaded_weight)
+        loaded_weight = _hold(session, loaded_weight, completes)
         info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at))
         info.writes[param_name].extend(writes)
         info.load_numel += numel
-        session.buffered_bytes += loaded_weight.numel() * loaded_weight.element_size()
-        session.peak_buffered_bytes = max(session.peak_buffered_bytes, session.buffered_bytes)
         if completes:
             _process_module(module, info, key)
 
     return loader
 
 
-def _buffered(session: ReloadSession, loaded_weight):
-    """What a load that does not complete its module (or unit) is held as until it does: Limitations 2, buffers
-    stay on the CPU, except that a session that borrows device tensors holds the caller's own tensor (kept by the
-    caller anyway, and a copy to the host would synchronize: Limitations 12)."""
-    if loaded_weight.device.type != "cpu" and not session.borrow_device_tensors:
-        return loaded_weight.to("cpu")
+def _hold(session: ReloadSession, loaded_weight, completes: bool):
+    """What a load is held as until its module (or unit) is processed, its bytes counted in the session's buffered
+    bytes. One that does not complete its module: Limitations 2, buffers stay on the CPU, except that a session that
+    borrows device tensors holds the caller's own tensor (kept by the caller anyway, and a copy to the host would
+    synchronize: Limitations 12). One that completes it is processed right away, as it is."""
+    if not completes and loaded_weight.device.type != "cpu" and not session.borrow_device_tensors:
+        loaded_weight = loaded_weight.to("cpu")
+    session.buffered_bytes += loaded_weight.numel() * loaded_weight.element_size()
+    session.peak_buffered_bytes = max(session.peak_buffered_bytes, session.buffered_bytes)
     return loaded_weight
 
 
@@ -286,14 +286,11 @@ def _load_unit(module: nn.Module, info: LayerReloadingInfo, param_name: str, wri
         )
     numel = written_numel(writes)
     completes = state.load_numel + numel >= n
-    if not completes:
-        load.loaded_weight = _buffered(session, load.loaded_weight)
+    load.loaded_weight = _hold(session, load.loaded_weight, completes)
     state.loaded_weights.append(load)
     state.writes.extend(relative)
     state.load_numel += numel
     info.load_numel += numel
-    session.buffered_bytes += load.loaded_weight.numel() * load.loaded_weight.element_size()
-    session.peak_buffered_bytes = max(session.peak_buffered_bytes, session.buffered_bytes)
     if completes:
         _complete_unit(module, info, unit, state, load.key)
 
@@ -371,9 +368,8 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
     device = targets[param_name].device  # where the expert's FP8 slice lives, which the pieces are quantized into
     pieces = _loaded_pieces(module.quant_method, unit_meta.shape, state.loaded_weights, device, first)
     weight = as_param = None
-    flags: list[torch.Tensor] = []  # with defer_checks: what the checks found, read at finalize (Limitations 12)
     # checks recorded and host-to-device copies that do not wait, as in a module's replay and processing
-    with _deferral(session, flags):
+    with _deferral(session, info.prefix, state.loaded_weights):
         if pieces is None:
             # CPU: the unit reuses the staging buffer's touched memory
             weight = empty_like_metas({param_name: unit_meta}, session.device, session.staging)[param_name]
@@ -392,7 +388,6 @@ def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, s
             info.units_started = started_before
             raise _non_finite_unit(info, unit, state) from e
     del weight, as_param
-    _defer(session, info.prefix, flags, state.loaded_weights)
     _unit_processed(module, info, unit, state)
 
 
@@ -429,9 +424,9 @@ def _process_pending_units(module: nn.Module, info: LayerReloadingInfo) -> None:
     if not queued:
         return
     started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
-    flags: list[torch.Tensor] = []  # with defer_checks: what the checks found, read at finalize (Limitations 12)
+    loads = [b for _, state in queued for b in state.loaded_weights]
     try:
-        with _deferral(info.session, flags):
+        with _deferral(info.session, info.prefix, loads):
             module.quant_method.process_experts(module, batches, targets)
     except NonFiniteWeightError as e:  # raised before any write
         info.units_started = started_before
@@ -439,7 +434,6 @@ def _process_pending_units(module: nn.Module, info: LayerReloadingInfo) -> None:
         if not bad:
             raise
         raise _non_finite_unit(info, *bad[0]) from e
-    _defer(info.session, info.prefix, flags, [b for _, state in queued for b in state.loaded_weights])
     for unit, state in queued:
         _unit_processed(module, info, unit, state, counted=False)
 
@@ -514,19 +508,17 @@ def _find_non_finite_key(loads: list[BufferedLoad]) -> str | None:
 
 
 @contextlib.contextmanager
-def _deferral(session: ReloadSession, flags: list[torch.Tensor]) -> Iterator[None]:
-    """With ``session.defer_checks``: finiteness checks recorded into ``flags`` and host-to-device copies that do
-    not wait, for the block (Limitations 12); otherwise nothing."""
-    if not session.defer_checks:
-        yield
-        return
-    with deferred_finite_checks(flags), async_host_copies():
-        yield
-
-
-def _defer(session: ReloadSession, prefix: str, flags: list[torch.Tensor], loads: list[BufferedLoad]) -> None:
-    """Keep the checks a :func:`_deferral` block recorded (``flags``) for finalize, as one DeferredCheck of the
-    module ``prefix`` (a unit-wise module gets one per processing call), with the ``loads`` that name its key."""
+def _deferral(session: ReloadSession, prefix: str, loads: list[BufferedLoad]) -> Iterator[list[torch.Tensor]]:
+    """With ``session.defer_checks``: finiteness checks recorded and host-to-device copies that do not wait, for the
+    block (Limitations 12); otherwise nothing. Yields the list the checks are recorded into (the block may add its
+    own flags); when the block ends without an error they are kept for finalize as one DeferredCheck of the module
+    ``prefix`` (a unit-wise module gets one per processing call), with the ``loads`` that name its key."""
+    flags: list[torch.Tensor] = []
+    if session.defer_checks:
+        with deferred_finite_checks(flags), async_host_copies():
+            yield flags
+    else:
+        yield flags
     if flags:
         flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
         session.deferred.append(DeferredCheck(prefix, flag, loads))
@@ -628,8 +620,7 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         materialize_layer(module, info, session.device, staging, keep_on_meta=skip)
     nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
     session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
-    flags: list[torch.Tensor] = []  # with defer_checks: what the checks found, read at finalize (Limitations 12)
-    with _deferral(session, flags):
+    with _deferral(session, info.prefix, info.loaded_weights) as flags:
         for buffered in info.loaded_weights if finite is None else ():
             if pieces is not None and buffered.param_name == "weight":
                 continue
@@ -657,7 +648,6 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         except BaseException:  # anything else may come after a write into the live tensors: reported as updated
             info.in_place = info.in_place or live is not None
             raise
-    _defer(session, info.prefix, flags, info.loaded_weights)
     if live is not None:  # copied into the kernel tensors: nothing keeps the buffer
         processed = layer_tensors(module)
         _check_kernel_format(info, processed)
@@ -671,7 +661,7 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
             _check_kernel_format(info, processed)
             info.staged = processed
             restore_layer_on_meta(module, info)
-    session.buffered_bytes -= sum(b.loaded_weight.numel() * b.loaded_weight.element_size() for b in info.loaded_weights)
+    session.buffered_bytes -= _buffered_bytes(info.loaded_weights)
     info.loaded_weights = []
     info.done = True
     session.processed.append(info.prefix)
@@ -877,11 +867,11 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         raise RuntimeError("no layerwise load/reload in progress on this model")
     failed = _failed_deferred(session)  # Limitations 12: what the device found, before anything else
     if not failed:
-        for module in session.modules.values():  # a partial reload's units still queued (Limitations 9)
-            info = get_layerwise_info(module)
-            if info.pending_units:
-                _process_pending_units(module, info)
-        failed = _failed_deferred(session)  # what the device found in those
+        queued = [m for m in session.modules.values() if get_layerwise_info(m).pending_units]
+        for module in queued:  # a partial reload's units still queued (Limitations 9)
+            _process_pending_units(module, get_layerwise_info(module))
+        if queued:
+            failed = _failed_deferred(session)  # what the device found in those
     if failed:
         message = _non_finite_message(failed, session.atomic)
         error = NonFiniteWeightError(message, key=_find_non_finite_key(failed[0].loads))
