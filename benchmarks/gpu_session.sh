@@ -7,6 +7,10 @@
 #                                           # and a cProfile of the first 8b load in a process  (~6 min)
 #   bash benchmarks/gpu_session.sh tune     # GEMM tiles for the 8b projections at M = 1 and 8 (decode);
 #                                           # writes kernels/configs/<gpu>.json into $OUT/configs  (~8 min)
+#   bash benchmarks/gpu_session.sh session  # for a 15-minute device budget, in one call (~9.5 min): the CUDA
+#                                           # tests on 8 workers, the demo, then the suite on what is left;
+#                                           # everything packed into $OUT/gpu_session.tgz (the device returns
+#                                           # at most 8 files)
 #
 # Every step is cut off by SIGINT (timeout -s INT), so pytest still prints its summary; each part's limits add
 # up to less than the device's 600 s per call. The tuner writes its JSON and configurations after every slice.
@@ -16,7 +20,7 @@
 # `tune` before `suite` (in its own call): copy $OUT/configs/*.json into kernels/configs/ and commit it, so the
 # suite's decode step launches the tuned GEMMs.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|suite|moe|tune}
+part=${1:?usage: gpu_session.sh tests|suite|moe|tune|session}
 OUT=${OUT:-/tmp/lw-gpu}
 mkdir -p "$OUT"
 if ! python3 -c "import torchao" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
@@ -56,8 +60,23 @@ case "$part" in
     echo "tune exit $?"; tail -n 40 "$OUT/tune.log"
     mkdir -p "$OUT/configs" && cp kernels/configs/*.json "$OUT/configs/" 2>/dev/null
     ;;
+  session)
+    start=$SECONDS
+    workers=""
+    python3 -c "import xdist" 2>/dev/null && workers="-n 8"
+    timeout -s INT -k 10 240 python3 -m pytest -m gpu tests -q -rfE --durations=15 -p no:cacheprovider $workers \
+      >"$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?"; tail -n 25 "$OUT/gpu_tests.log"
+    timeout -s INT -k 10 60 python3 -m layerwise.cli demo --device cuda >"$OUT/demo_cuda.log" 2>&1
+    echo "demo exit $?"; tail -n 8 "$OUT/demo_cuda.log"
+    left=$((555 - (SECONDS - start)))
+    timeout -s INT -k 10 "$left" python3 -m layerwise.benchmarks.suite --device cuda --size 8b --budget $((left - 45)) \
+      --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/suite.log" 2>&1
+    echo "suite exit $?"; tail -n 40 "$OUT/suite.log"
+    tar czf /tmp/gpu_session.tgz -C "$OUT" . && mv /tmp/gpu_session.tgz "$OUT/"
+    ;;
   *)
-    echo "unknown part $part (tests|suite|moe|tune)" >&2
+    echo "unknown part $part (tests|suite|moe|tune|session)" >&2
     exit 2
     ;;
 esac
