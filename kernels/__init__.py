@@ -9,10 +9,13 @@ The forward's kernels live beside these (imported on demand, CUDA only in the li
 ``fp8_act`` (fused dynamic activation quantization: per token, per token group of 128, per tensor) and
 ``fp8_gemm`` (W8A16 GEMM over FP8 weight bytes; block-scaled W8A8 GEMM). ``ops`` wraps the weight
 kernels as torch.library custom ops for torch.compile; eager calls skip the op (no torch._dynamo import).
-This package imports torch, triton and, of the project, only the leaf ``layerwise.errors`` (never ``quant``).
+This package imports torch and, of the project, only the leaf ``layerwise.errors`` (never ``quant``); Triton is
+imported by the modules that hold Triton kernels, on first use.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
@@ -26,9 +29,11 @@ from layerwise.kernels.reference import (
     scale_layout,
     scale_shape,
 )
-from layerwise.kernels.triton_common import HAS_TRITON
 
 KERNELS = ("torch", "triton")
+# Whether Triton is installed. It is imported (about 0.75 s) only when a Triton kernel first runs: a CPU load never
+# imports it, a CUDA load on its first quantization (kernels.triton_common, through kernels.ops).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
