@@ -207,7 +207,9 @@ def as_matrix(w: torch.Tensor) -> torch.Tensor:
 def check_input(w: torch.Tensor, name: str, ndim: int | None = 2) -> None:
     """Raise TypeError/ValueError/RuntimeError for inputs the kernels do not take."""
     if not HAS_TRITON:
-        raise RuntimeError("kernel='triton' requested but triton is not installed")
+        raise RuntimeError(
+            "kernel='triton' needs Triton, which is not installed: pip install 'triton>=3.4,<3.10' (or the [gpu] extra)"
+        )
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"{name}: expected a bf16/fp16/fp32 tensor, got {w.dtype}")
     if ndim is not None and w.dim() != ndim:
