@@ -15,8 +15,9 @@ Per method, in one fresh process: the first load (``first_seconds``: imports, co
 paid once per process), then ``--loads``-1 more (``seconds``: the best of them, the steady state), and
 ``first_minus_second_seconds``; peak bytes, final model bytes, peak / final, (peak - final) / largest
 layer; ``time_over_floor`` (seconds / the floor's seconds) and ``first_over_floor`` (first_seconds /
-the floor's seconds); ``first_seconds_with_import`` adds ``import layerwise`` (timed alone in a fresh
-interpreter after ``import torch``: each method's process imports it before the first load). On CUDA the first
+the floor's seconds); ``first_seconds_with_import`` adds ``import layerwise`` (``import_seconds``, timed alone in a
+fresh interpreter after ``import torch``: each method's process imports it before the first load), and
+``first_with_import_minus_second_seconds`` is the whole one-time cost a user's first load pays. On CUDA the first
 load is also the tracked one (the allocator's statistics cost nothing); on CPU the tracker slows
 every operator, so the memory is measured in one more load after the timed ones.
 
@@ -366,7 +367,10 @@ def run(
     torchao_import = None
     for r in rows:
         if r["method"].startswith("layerwise-") and "error" not in r:
+            r["import_seconds"] = imports
             r["first_seconds_with_import"] = r["first_seconds"] + imports
+            if "second_seconds" in r:  # a user's one-time cost: first load + import layerwise - the second load
+                r["first_with_import_minus_second_seconds"] = r["first_seconds_with_import"] - r["second_seconds"]
         if r["method"].startswith("layerwise-torchao:") and "first_minus_second_seconds" in r:
             if torchao_import is None:
                 torchao_import = import_seconds("import torchao.quantization")

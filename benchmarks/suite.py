@@ -73,6 +73,7 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
         "first_load_over_floor": {},
         "first_load_with_import_over_floor": {},
         "first_minus_second_load_seconds": {},
+        "first_with_import_minus_second_load_seconds": {},  # the one-time cost of a user's first load, CPU target
         "first_minus_best_load_seconds": {},
         "first_minus_second_less_torchao_import_seconds": {},  # torchao schemes, CPU
         "peak_minus_final_over_largest_layer": {},
@@ -101,6 +102,8 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
                 out["first_load_with_import_over_floor"][scheme] = r["first_with_import_over_floor"]
             if "first_minus_second_seconds" in r:
                 out["first_minus_second_load_seconds"][scheme] = r["first_minus_second_seconds"]
+            if "first_with_import_minus_second_seconds" in r:
+                out["first_with_import_minus_second_load_seconds"][scheme] = r["first_with_import_minus_second_seconds"]
             if "first_minus_best_seconds" in r:
                 out["first_minus_best_load_seconds"][scheme] = r["first_minus_best_seconds"]
             out["peak_minus_final_over_largest_layer"][scheme] = r["overhead_over_largest_layer"]
@@ -111,9 +114,12 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
             ratio = first if kind == "cuda" else r["time_over_floor"]
             out["met"][f"load {scheme}"] = ratio <= LOAD_OVER_FLOOR
             if kind == "cpu" and "first_minus_second_seconds" in r:
-                # a torchao scheme's first load also imports torchao (1.4-1.8 s here, measured apart): layerwise's
-                # own one-time cost is what is left
-                own = r.get("first_minus_second_less_torchao_import_seconds", r["first_minus_second_seconds"])
+                # the one-time cost of a user's first load, import layerwise included; a torchao scheme's first load
+                # also imports torchao (1.4-1.8 s here, measured apart): layerwise's own one-time cost is what is left
+                own = r.get(
+                    "first_minus_second_less_torchao_import_seconds",
+                    r.get("first_with_import_minus_second_seconds", r["first_minus_second_seconds"]),
+                )
                 out["met"][f"first-load cost {scheme}"] = own <= FIRST_MINUS_SECOND_CPU
                 if "torchao_import_seconds" in r:
                     out["first_minus_second_less_torchao_import_seconds"][scheme] = own

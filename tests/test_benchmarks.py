@@ -214,29 +214,58 @@ def test_required_modules_follow_the_methods_and_device(monkeypatch):
     }
 
 
-def test_readme_section_is_generated_from_the_committed_results():
-    assert readme.main(["--check", "--results", str(REFERENCE), "--readme", str(REPO / "README.md")]) == 0
+def test_readme_and_benchmarks_page_are_generated_from_the_committed_results():
+    pages = ["--readme", str(REPO / "README.md"), "--benchmarks", str(REPO / "docs" / "benchmarks.md")]
+    assert readme.main(["--check", "--results", str(REFERENCE), *pages]) == 0
 
 
-def test_readme_follows_a_changed_figure(tmp_path):
+def _copies(tmp_path):
+    """The committed results, README and benchmarks page under tmp_path, and the generator's arguments for them."""
     results = tmp_path / "benchmarks" / "results"
     shutil.copytree(REFERENCE, results)
+    (tmp_path / "docs").mkdir()
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    shutil.copy(REPO / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks.md")
+    args = ["--results", str(results), "--readme", str(tmp_path / "README.md")]
+    return results, args + ["--benchmarks", str(tmp_path / "docs" / "benchmarks.md")]
+
+
+def test_benchmarks_page_follows_a_changed_figure(tmp_path):
+    results, args = _copies(tmp_path)
     path = results / f"{readme.latest_results(results)[('reload_latency', 'cpu')][0]}.json"  # the one shown
     data = json.loads(path.read_text())
     data["results"][0]["seconds"] = 0.1234
     path.write_text(json.dumps(data))
-    shutil.copy(REPO / "README.md", tmp_path / "README.md")
-    before = (tmp_path / "README.md").read_text()
-    args = ["--results", str(results), "--readme", str(tmp_path / "README.md")]
+    page = tmp_path / "docs" / "benchmarks.md"
+    before, readme_before = page.read_text(), (tmp_path / "README.md").read_text()
 
     assert readme.main(["--check", *args]) == 1  # stale, and --check writes nothing
-    assert (tmp_path / "README.md").read_text() == before
+    assert page.read_text() == before
     assert readme.main(args) == 0
-    after = (tmp_path / "README.md").read_text()
+    after = page.read_text()
     assert "| floor: copy_ BF16 tensors | 0.123 |" in after and after != before
     head, tail = before[: readme.BEGIN.search(before).end()], before.split(readme.END, 1)[1]
     assert after.startswith(head) and after.endswith(readme.END + tail)  # only the marked section changed
+    assert (tmp_path / "README.md").read_text() == readme_before  # not a headline figure
     assert readme.main(["--check", *args]) == 0
+
+
+def test_readme_headline_follows_a_changed_figure(tmp_path):
+    results, args = _copies(tmp_path)
+    stem, data = readme.latest_results(results)[("suite", "cpu")]
+    data["reload_stream_over_copy_floor"][readme.HEADLINE_SCHEME] = 1.2345
+    (results / f"{stem}.json").write_text(json.dumps(data))
+    before = (tmp_path / "README.md").read_text()
+
+    assert readme.main(["--check", *args]) == 1
+    assert readme.main(args) == 0
+    after = (tmp_path / "README.md").read_text()
+    row = next(line for line in after.splitlines() if line.startswith("| reload from a trainer's tensors"))
+    assert row.endswith("| 1.23x |"), row  # the CPU column, last
+    head = before[: readme.HEADLINE_BEGIN.search(before).end()]
+    tail = before.split(readme.HEADLINE_END, 1)[1]
+    assert after.startswith(head) and after.endswith(readme.HEADLINE_END + tail)
+    assert f"{data['date'][:10]}, commit {data['commit']}" in after
 
 
 def test_tp_load_small_reads_a_share_per_rank(tmp_path):
@@ -366,11 +395,11 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     text = readme.section(results, tmp_path / "README.md")
     cpu_part, gpu_part = text.split("### On NVIDIA H100 80GB HBM3")
     assert readme.peak_memory_table(data["peak_memory"]) in cpu_part  # newest CPU table, first-load columns
-    assert "| first load s |" in cpu_part and "#### Issue 14 targets (CPU)" in cpu_part
+    assert "| first load s |" in cpu_part and "#### Targets (CPU)" in cpu_part
     assert readme.targets_table(summary) in cpu_part
     for table in ("peak_memory", "reload_latency"):
         assert getattr(readme, f"{table}_table")(data[table]) in gpu_part
-    assert readme.decode_table(data["decode_step"]) in gpu_part and "#### Issue 14 targets" in gpu_part
+    assert readme.decode_table(data["decode_step"]) in gpu_part and "#### Targets" in gpu_part
     assert f"commit {summary['commit']}" in gpu_part
 
 

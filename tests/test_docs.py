@@ -1,0 +1,70 @@
+"""The README and docs/: every relative link resolves (file and #anchor), and the README stays a front door."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+README_MAX_BYTES = 12 * 1024
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The #anchors of a Markdown page's headings (outside code blocks), with GitHub's -1, -2 for repeats."""
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6} (.+)", line)
+        if m:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            out.add(slug if n == 0 else f"{slug}-{n}")
+            seen[slug] = n + 1
+    return out
+
+
+def relative_links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    links = [a or b for a, b in LINK.findall(text)]
+    return [link for link in links if not re.match(r"[a-z]+:", link)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_relative_link_resolves(page):
+    broken = []
+    for link in relative_links(page):
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link}: no {target.relative_to(REPO) if target.is_relative_to(REPO) else target}")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+            broken.append(f"{link}: no heading #{anchor} in {target.relative_to(REPO)}")
+    assert not broken, f"{page.relative_to(REPO)}: " + "; ".join(broken)
+
+
+def test_the_link_check_sees_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n[ok](#title) [gone](missing.md) [anchor](#nowhere)\n")
+    assert relative_links(page) == ["#title", "missing.md", "#nowhere"]
+    assert anchors(page) == {"title"}
+
+
+def test_readme_is_a_front_door():
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) < README_MAX_BYTES
+    first_screen = text[:1500]
+    assert "FP8" in first_screen and "RL teams" in first_screen  # what it is, who it is for
+    assert "# set up and run the demo" in first_screen and "# set up and run the tests" in first_screen
+    assert (REPO / "LICENSE").exists()
