@@ -40,6 +40,7 @@ from layerwise.kernels import cpu_native
 from layerwise.quant.base import check_finite
 from layerwise.quant.parameters import ModelWeightParameter
 from layerwise.reload.counting import record_loader, written_numel
+from layerwise.reload.coverage import _coverage_problems, _unit_coverage, _unit_name, _unit_problems
 from layerwise.reload.deferred import (
     _add_non_finite,
     _deferral,
@@ -62,8 +63,6 @@ from layerwise.reload.types import (
     LayerReloadingInfo,
     ReloadSession,
     UnitState,
-    coverage,
-    unwritten_in_range,
 )
 
 # The state lives on the modules themselves, never in a module-level registry: an info holds its
@@ -270,11 +269,6 @@ def _recorded(module: nn.Module, info: LayerReloadingInfo, param_name: str, load
     return [(starts + shift, length) for starts, length in writes], None if verbatim_at is None else verbatim_at + shift
 
 
-def _unit_name(info: LayerReloadingInfo, unit: Hashable) -> str:
-    param_name, index = unit
-    return f"{info.prefix}.{param_name}[{index}]"
-
-
 def _load_unit(module: nn.Module, info: LayerReloadingInfo, param_name: str, writes: list, load: BufferedLoad) -> None:
     """Count and buffer one load of a unit-wise module; complete its unit once all its elements are written."""
     session = info.session
@@ -322,21 +316,6 @@ def _complete_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, 
         _process_unit(module, info, unit, state)
     if info.pending_units and info.units_done + len(info.pending_units) == info.units_total:
         _process_pending_units(module, info)  # the module's last unit: quantize every waiting one
-
-
-def _unit_coverage(writes: list, numel: int) -> tuple[int, int]:
-    """:func:`coverage` of a unit's writes; one whose loads each wrote one span, the spans tiling it exactly (an
-    expert's gate and up, or its down), needs no interval arithmetic."""
-    if all(len(starts) == 1 for starts, _ in writes):
-        reach = 0
-        for start, length in sorted((int(starts[0]), length) for starts, length in writes):
-            if start != reach:
-                break
-            reach += length
-        else:
-            if reach == numel:
-                return 0, 0
-    return coverage(writes, numel)
 
 
 def _batchable(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, state: UnitState) -> bool:
@@ -464,42 +443,6 @@ def _unit_processed(
         session.processed.append(info.prefix)
         if not (session.atomic and info.kernel_tensors):  # an atomic reload commits the staged copy at finalize
             set_layer_tensors(module, info.unit_targets)
-
-
-_MAX_UNIT_PROBLEMS = 8  # problems named per unit-wise module in one message
-
-
-def _unit_problems(module: nn.Module, info: LayerReloadingInfo, first_load: bool) -> list[str]:
-    """What a unit-wise module lacks at finalize, named by checkpoint key: every unit on a first load,
-    on a reload only the units that received some of their elements (Limitations 3)."""
-    problems = []
-    for unit in module.processing_units():
-        state = info.units.get(unit)
-        if state is not None and state.done or state is None and not first_load:
-            continue
-        writes = state.writes if state is not None else []
-        for name, start, stop in module.unit_checkpoint_names(unit):
-            unwritten = unwritten_in_range(writes, start, stop)
-            if unwritten:
-                problems.append(f"{info.prefix}.{name} ({unwritten} of {stop - start} elements never written)")
-        twice = coverage(writes, info.unit_numel[unit[0]])[1]
-        if twice:
-            problems.append(f"{_unit_name(info, unit)} ({twice} elements written more than once)")
-    if len(problems) > _MAX_UNIT_PROBLEMS:  # a whole missing MoE layer would list 3 x num_experts keys
-        hidden = len(problems) - _MAX_UNIT_PROBLEMS
-        problems = problems[:_MAX_UNIT_PROBLEMS] + [f"... and {hidden} more tensors of {info.prefix}"]
-    return problems
-
-
-def _coverage_problems(info: LayerReloadingInfo) -> tuple[list[str], list[str]]:
-    missing, doubled = [], []
-    for name, meta in info.restore_metadata.items():
-        unwritten, twice = coverage(info.writes[name], meta.numel())
-        if unwritten:
-            missing.append(f"{info.prefix}.{name} ({unwritten} of {meta.numel()} elements never written)")
-        if twice:
-            doubled.append(f"{info.prefix}.{name} ({twice} elements written more than once)")
-    return missing, doubled
 
 
 def _buffered_bytes(loads: list[BufferedLoad]) -> int:
