@@ -58,6 +58,7 @@ from layerwise.reload.meta import (
     restore_layer_on_meta,
     set_layer_tensors,
 )
+from layerwise.reload.pieces import _loaded_pieces, _piece_spans, _weight_pieces
 from layerwise.reload.types import (
     BufferedLoad,
     LayerReloadingInfo,
@@ -536,52 +537,6 @@ def _check_kernel_format(info: LayerReloadingInfo, processed: dict[str, torch.Te
                 f"{info.prefix}.{name}: processed {new.dtype}{tuple(new.shape)} does not "
                 f"fit the kernel tensor {old.dtype}{tuple(old.shape)}"
             )
-
-
-def _weight_pieces(module: nn.Module, info: LayerReloadingInfo) -> list[tuple[int, torch.Tensor]] | None:
-    """The module's ``weight`` as its loaded tensors (:func:`_loaded_pieces`), else None."""
-    quant_method = getattr(module, "quant_method", None)
-    meta = info.restore_metadata.get("weight")
-    if quant_method is None or meta is None:
-        return None
-    loads = [b for b in info.loaded_weights if b.param_name == "weight"]
-    return _loaded_pieces(quant_method, meta.shape, loads, info.session.device)
-
-
-def _piece_spans(
-    quant_method, shape: torch.Size, loads: list[BufferedLoad], device: torch.device, first: int = 0
-) -> list[tuple[int, int]] | None:
-    """The (flat element offset, numel) of each of ``loads`` in a weight of ``shape``, when every one is a
-    verbatim copy of a tensor already on ``device`` and the quant method takes them as pieces
-    (``accepts_weight_pieces``); else None. Reads nothing. ``first``: the flat offset of the weight in the
-    parameter the loads were recorded against (a unit's, in its module's)."""
-    if not loads or any(b.verbatim_at is None for b in loads):
-        return None
-    spans = [(b.verbatim_at - first, b.loaded_weight.numel()) for b in loads]
-    if not quant_method.accepts_weight_pieces(shape, spans):
-        return None
-    if any(b.loaded_weight.device != device for b in loads):  # before reading a lazy checkpoint tensor
-        return None
-    return spans
-
-
-def _loaded_pieces(
-    quant_method, shape: torch.Size, loads: list[BufferedLoad], device: torch.device, first: int = 0
-) -> list[tuple[int, torch.Tensor]] | None:
-    """A weight of ``shape`` as the loaded tensors themselves, [(flat element offset, tensor)], when
-    :func:`_piece_spans` takes the loads and each is contiguous: the copy into the staging buffer is then
-    skipped (on a CPU load, a memory-mapped checkpoint tensor is quantized where the page cache holds it).
-    Else None (Limitations 10)."""
-    spans = _piece_spans(quant_method, shape, loads, device, first)
-    if spans is None:
-        return None
-    pieces = []
-    for (offset, _), b in zip(spans, loads, strict=True):
-        t = b.loaded_weight if isinstance(b.loaded_weight, torch.Tensor) else b.loaded_weight.materialize()
-        if not t.is_contiguous():
-            return None
-        pieces.append((offset, t))
-    return pieces
 
 
 def _copy_checked(info: LayerReloadingInfo, live: dict[str, torch.Tensor]) -> bool | None:
