@@ -30,6 +30,10 @@ class BufferedLoad:
     verbatim_at: int | None = None
 
 
+def _buffered_bytes(loads: list[BufferedLoad]) -> int:
+    return sum(b.loaded_weight.numel() * b.loaded_weight.element_size() for b in loads)
+
+
 @dataclass
 class UnitState:
     """Loads of one processing unit of a unit-wise module (``FusedMoE``: expert e's w13 or w2).
