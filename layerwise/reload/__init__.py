@@ -95,13 +95,13 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    once however many of their experts held a NaN.
 """
 
+from layerwise.reload.buffering import online_process_loader
 from layerwise.reload.session import (
     abort_layerwise_reload,
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,
     layerwise_session,
-    online_process_loader,
     record_metadata_for_reloading,
     release_staging,
     staging_bytes,
