@@ -1,28 +1,25 @@
-"""Layerwise loading and reloading: buffer each module's loads, then materialize, replay, quantize.
+"""The session of a layerwise load, reload or weight update: record -> initialize -> load_weights -> finalize.
 
-The sequence and names follow vLLM (model_loader/reload/layerwise.py). In vLLM's names a "layer"
-is any module with parameters of its own; the prose here calls it a *module* (qkv_proj, norm,
-embed_tokens) and keeps *decoder layer* for the repeated block.
+The sequence and names follow vLLM (model_loader/reload/layerwise.py). In vLLM's names a "layer" is any module with
+parameters of its own; the prose here calls it a *module* (qkv_proj, norm, embed_tokens) and keeps *decoder layer*
+for the repeated block. A load passes through these stages, each in its own file:
 
-    record_metadata_for_reloading(model)      once, while the model's parameters are on meta
-    initialize_layerwise_reload(model)        kernel tensors set aside, meta params + wrapped loaders
-    model.load_weights(weights)               each loader call is buffered by online_process_loader;
-                                              a module whose elements are all written is processed:
-                                              materialize -> replay -> process_weights_after_loading
-                                              -> copy into the kernel tensors (reload) -> drop buffers
-    finalize_layerwise_reload(model)          untouched modules get their kernel tensors back;
-                                              incomplete modules are an error naming the parameters
+    record_metadata_for_reloading(model)   session      once, while the model's parameters are on meta
+    initialize_layerwise_reload(model)     session      kernel tensors set aside, meta params + wrapped loaders
+    model.load_weights(weights)            buffering    each loader call recorded on meta, held and counted by
+                                                        online_process_loader; a module whose elements are all
+                                                        written is handed on to
+                                           processing   coverage -> materialize -> replay ->
+                                                        process_weights_after_loading -> copy into the kernel
+                                                        tensors (reload) or stage them (atomic) -> drop buffers
+                                           units        (FusedMoE) the same per unit, one expert at a time
+    finalize_layerwise_reload(model)       session      deferred checks read (deferred), queued units processed,
+                                                        what incomplete modules lack named (coverage), staged
+                                                        modules committed, untouched ones get their kernel tensors
 
-Unit-wise modules (``FusedMoE``) are processed one *unit* at a time instead of whole (Limitations 9):
-a module with ``processing_unit(param_name, shard_id) -> (param_name, i)`` declares that each load
-writes only ``param[i]``. Loads are counted and buffered per unit; a complete unit alone is
-materialized ([2I, H] for an expert's w13), its loads replayed into it, and
-``quant_method.process_expert`` writes it into its slice of the layer's kernel-format tensors, which
-are allocated once, at the first unit (on a reload they are the live kernel tensors; atomic: a staged
-copy). The module is done when all its units are.
-
-:func:`layerwise_session` wraps initialize / finalize-or-abort for load, reload and weight sync.
-Where this goes beyond vLLM, and what it does not do, is listed in ``layerwise/reload/__init__.py``.
+:func:`abort_layerwise_reload` ends a session after an error instead, and :func:`layerwise_session` wraps initialize /
+finalize-or-abort for load, reload and weight sync. Where this goes beyond vLLM, and what it does not do, is listed
+in ``layerwise/reload/__init__.py``.
 """
 
 from __future__ import annotations
@@ -45,17 +42,9 @@ from layerwise.reload.deferred import (
     _non_finite_message,
     on_device,
 )
-from layerwise.reload.meta import (
-    StagingBuffer,
-    layer_tensors,
-    restore_layer_on_meta,
-    set_layer_tensors,
-)
+from layerwise.reload.meta import StagingBuffer, layer_tensors, restore_layer_on_meta, set_layer_tensors
 from layerwise.reload.processing import _commit
-from layerwise.reload.types import (
-    LayerReloadingInfo,
-    ReloadSession,
-)
+from layerwise.reload.types import LayerReloadingInfo, ReloadSession
 from layerwise.reload.units import _process_pending_units
 
 # The state lives on the modules themselves, never in a module-level registry: an info holds its
@@ -193,64 +182,6 @@ def initialize_layerwise_reload(
     return session
 
 
-def _close(info: LayerReloadingInfo) -> None:
-    """Unwrap the module's loaders and forget the session's state for it."""
-    for name, meta_param in info.restore_metadata.items():
-        meta_param.weight_loader = info.weight_loaders[name]
-    info.reset()
-    info.session = None
-
-
-def release_staging(model: nn.Module) -> int:
-    """Free the CPU staging buffer a reload left on ``model`` for the next one (Limitations 8).
-
-    Returns:
-        the bytes freed (0 if there was none).
-    Raises:
-        RuntimeError: a load, reload or weight update is in progress on the model.
-    """
-    if _session(model) is not None:
-        raise RuntimeError("a layerwise load/reload is in progress on this model; release its staging after it")
-    staging = model.__dict__.pop(_STAGING_ATTR, None)
-    return 0 if staging is None else staging.nbytes
-
-
-def staging_bytes(model: nn.Module) -> int:
-    """Bytes of the CPU staging buffer kept on ``model`` between reloads (0 if none)."""
-    staging = model.__dict__.get(_STAGING_ATTR)
-    return 0 if staging is None else staging.nbytes
-
-
-def abort_layerwise_reload(model: nn.Module) -> list[str]:
-    """End a session after an error, leaving the model usable.
-
-    Every module whose kernel tensors were not overwritten gets them back unchanged; staged values
-    (atomic) are dropped. Returns the prefixes of the modules that were already overwritten (empty for
-    an atomic session, unless its finalize failed midway through the commit). On a first load there is
-    nothing to restore and the model stays on meta. A session that deferred its checks (Limitations 12)
-    then waits for the device and records the written modules that held NaN or Inf in
-    ``session.non_finite_modules``.
-    """
-    session = _end_session(model)
-    if session is None:
-        return []
-    updated = list(session.committed)  # closed by a finalize that then failed
-    try:
-        for prefix, module in session.modules.items():
-            info = get_layerwise_info(module)
-            if info.kernel_tensors:
-                written = (info.done or info.units_started or info.in_place) and not session.atomic  # written into
-                if written and prefix not in updated:
-                    updated.append(prefix)
-                set_layer_tensors(module, info.kernel_tensors)
-            _close(info)
-    finally:
-        # Limitations 12: the caller may reuse its stream's tensors once the error reaches it, and a NaN the
-        # device found before another error ended the stream is still reported
-        _add_non_finite(session, _failed_deferred(session))
-    return updated
-
-
 def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
     """Close the session: check completeness, commit staged modules, restore untouched modules.
 
@@ -317,6 +248,36 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
     return session
 
 
+def abort_layerwise_reload(model: nn.Module) -> list[str]:
+    """End a session after an error, leaving the model usable.
+
+    Every module whose kernel tensors were not overwritten gets them back unchanged; staged values
+    (atomic) are dropped. Returns the prefixes of the modules that were already overwritten (empty for
+    an atomic session, unless its finalize failed midway through the commit). On a first load there is
+    nothing to restore and the model stays on meta. A session that deferred its checks (Limitations 12)
+    then waits for the device and records the written modules that held NaN or Inf in
+    ``session.non_finite_modules``.
+    """
+    session = _end_session(model)
+    if session is None:
+        return []
+    updated = list(session.committed)  # closed by a finalize that then failed
+    try:
+        for prefix, module in session.modules.items():
+            info = get_layerwise_info(module)
+            if info.kernel_tensors:
+                written = (info.done or info.units_started or info.in_place) and not session.atomic  # written into
+                if written and prefix not in updated:
+                    updated.append(prefix)
+                set_layer_tensors(module, info.kernel_tensors)
+            _close(info)
+    finally:
+        # Limitations 12: the caller may reuse its stream's tensors once the error reaches it, and a NaN the
+        # device found before another error ended the stream is still reported
+        _add_non_finite(session, _failed_deferred(session))
+    return updated
+
+
 @contextlib.contextmanager
 def layerwise_session(
     model: nn.Module, *, device: torch.device | None = None, atomic: bool = False, defer_checks: bool = False
@@ -345,6 +306,34 @@ def layerwise_session(
             if _session(model) is session:  # failed midway (a commit's copy_), not by its own checks, which abort
                 session.updated_before_abort = abort_layerwise_reload(model)
             raise
+
+
+def release_staging(model: nn.Module) -> int:
+    """Free the CPU staging buffer a reload left on ``model`` for the next one (Limitations 8).
+
+    Returns:
+        the bytes freed (0 if there was none).
+    Raises:
+        RuntimeError: a load, reload or weight update is in progress on the model.
+    """
+    if _session(model) is not None:
+        raise RuntimeError("a layerwise load/reload is in progress on this model; release its staging after it")
+    staging = model.__dict__.pop(_STAGING_ATTR, None)
+    return 0 if staging is None else staging.nbytes
+
+
+def staging_bytes(model: nn.Module) -> int:
+    """Bytes of the CPU staging buffer kept on ``model`` between reloads (0 if none)."""
+    staging = model.__dict__.get(_STAGING_ATTR)
+    return 0 if staging is None else staging.nbytes
+
+
+def _close(info: LayerReloadingInfo) -> None:
+    """Unwrap the module's loaders and forget the session's state for it."""
+    for name, meta_param in info.restore_metadata.items():
+        meta_param.weight_loader = info.weight_loaders[name]
+    info.reset()
+    info.session = None
 
 
 class _MissingOnReload(ReloadError, MissingWeightError):
