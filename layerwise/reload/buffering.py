@@ -3,10 +3,10 @@
 ``initialize_layerwise_reload`` (``session``) wraps the loader of every meta parameter with
 :func:`online_process_loader` (vLLM's name). A call learns which elements the original loader writes by running it
 on the meta parameter (:func:`_recorded`, one meta run per distinct call, Limitations 1), holds the loaded tensor
-(:func:`_hold`: on the CPU, Limitations 2, or the caller's own with ``borrow_device_tensors``, 12) with its
-checkpoint key, and counts the elements. It hands the module over to ``processing._process_module`` once its count
-reaches ``load_numel_total``; a unit-wise module (Limitations 9) is counted and buffered per unit instead
-(:func:`_load_unit`), each complete unit handed to ``units._complete_unit``.
+with its checkpoint key (:func:`_hold`: on the CPU, Limitations 2, or the caller's own tensor with
+``borrow_device_tensors``, Limitations 12), and counts the elements. It hands the module over to
+``processing._process_module`` once its count reaches ``load_numel_total``; a unit-wise module (Limitations 9) is
+counted and buffered per unit instead (:func:`_load_unit`), each complete unit handed to ``units._complete_unit``.
 """
 
 from __future__ import annotations
