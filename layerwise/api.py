@@ -22,8 +22,9 @@ from layerwise.kernels import resolve_kernel
 from layerwise.memory import DeviceMemoryTracker, tensor_bytes
 from layerwise.quant.config import QuantConfig
 from layerwise.registry import get_model_class
+from layerwise.reload.deferred import model_defers_checks
 from layerwise.reload.kernel_format import KernelTensorWriter, named_kernel_tensors
-from layerwise.reload.session import layerwise_session, model_defers_checks, record_metadata_for_reloading
+from layerwise.reload.session import layerwise_session, record_metadata_for_reloading
 from layerwise.reload.types import ReloadReport
 from layerwise.routing import stream_weights
 from layerwise.transfer.packed_tensor import flat_bytes

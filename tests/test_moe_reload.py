@@ -412,7 +412,7 @@ def test_a_failure_inside_the_first_expert_reports_the_layer(pair, monkeypatch):
 def test_expert_loads_are_recorded_once_per_projection(pair, monkeypatch):
     # FusedMoE declares its loader translation-invariant (unit_shard_origin): expert e's loads are expert 0's
     # recordings moved by e experts, so each MoE layer makes 3 meta runs (gate, up, down) instead of 3 per expert
-    import layerwise.reload.session as session
+    import layerwise.reload.buffering as session
 
     arch, a, _ = pair
     calls = []

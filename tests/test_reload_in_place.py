@@ -120,7 +120,7 @@ def test_fp8_reload_quantizes_into_the_live_weight(pair, scheme, monkeypatch):
 
 
 def test_loader_writes_are_recorded_once_per_distinct_call(pair, monkeypatch):
-    import layerwise.reload.session as session
+    import layerwise.reload.buffering as session
 
     a, b = pair
     model = layerwise.load_model(a)

@@ -1,10 +1,18 @@
 """Layerwise load and reload machinery, named as in vLLM's model_loader/reload package.
 
-Modules: ``types`` (LayerReloadingInfo, ReloadSession, element-interval coverage), ``counting``
-(what a weight loader writes, measured on the meta device), ``meta`` (moving a module between
-kernel format and checkpoint format on meta), ``session`` (initialize / online_process_loader /
-finalize / abort, and the ``layerwise_session`` context manager), ``kernel_format`` (copying
-kernel-format tensors in place).
+Modules, in the order a load passes through them: ``session`` (the lifecycle: record_metadata_for_reloading
+-> initialize_layerwise_reload -> finalize_layerwise_reload or abort_layerwise_reload, the
+``layerwise_session`` context manager, the CPU staging buffer kept between reloads), ``buffering``
+(online_process_loader: each wrapped loader call recorded on meta, held and counted until its module or
+unit is complete), ``processing`` (a complete module materialized, replayed, processed, then committed
+into the kernel tensors or staged), ``units`` (the same per processing unit of a FusedMoE), ``pieces`` (a
+weight quantized from its loaded tensors themselves), ``coverage`` (what a module's or unit's writes lack,
+as the errors name it), ``deferred`` (NaN/Inf checks made on the device and read at finalize or per
+batch). Beneath them: ``types`` (LayerReloadingInfo, ReloadSession, element-interval coverage),
+``counting`` (what a weight loader writes, measured on the meta device), ``meta`` (moving a module
+between kernel format and checkpoint format on meta). Imports flow one way: session -> buffering ->
+processing, units -> pieces, coverage, deferred -> types, counting, meta. ``kernel_format`` (copying
+kernel-format tensors in place) is the path of a kernel-format reload, outside the session.
 
 Guarantees, and the limits that come with them (code that enforces one says "Limitations N"):
 
@@ -70,7 +78,7 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    (``ReloadError.updated_modules``) and holds the new values, NaN included. ``atomic=True`` keeps the
    all-or-nothing behaviour.
 12. A session with ``defer_checks`` (``reload_weights`` of a list or tuple, and a checkpoint-format weight
-   update, on CUDA without tensor parallelism: ``session.model_defers_checks``) makes no host read of its own
+   update, on CUDA without tensor parallelism: ``deferred.model_defers_checks``) makes no host read of its own
    while it streams modules
    (BF16, FP8, and torchao weights of a shape already checked against torchao's bytes), so the GPU is
    not left idle while Python routes the next module: its NaN/Inf checks (``check_finite``, the FP8
@@ -95,13 +103,13 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    once however many of their experts held a NaN.
 """
 
+from layerwise.reload.buffering import online_process_loader
 from layerwise.reload.session import (
     abort_layerwise_reload,
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,
     layerwise_session,
-    online_process_loader,
     record_metadata_for_reloading,
     release_staging,
     staging_bytes,

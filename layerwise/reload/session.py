@@ -1,63 +1,51 @@
-"""Layerwise loading and reloading: buffer each module's loads, then materialize, replay, quantize.
+"""The session of a layerwise load, reload or weight update: record -> initialize -> load_weights -> finalize.
 
-The sequence and names follow vLLM (model_loader/reload/layerwise.py). In vLLM's names a "layer"
-is any module with parameters of its own; the prose here calls it a *module* (qkv_proj, norm,
-embed_tokens) and keeps *decoder layer* for the repeated block.
+The sequence and names follow vLLM (model_loader/reload/layerwise.py). In vLLM's names a "layer" is any module with
+parameters of its own; the prose here calls it a *module* (qkv_proj, norm, embed_tokens) and keeps *decoder layer*
+for the repeated block. A load passes through these stages, each in its own file:
 
-    record_metadata_for_reloading(model)      once, while the model's parameters are on meta
-    initialize_layerwise_reload(model)        kernel tensors set aside, meta params + wrapped loaders
-    model.load_weights(weights)               each loader call is buffered by online_process_loader;
-                                              a module whose elements are all written is processed:
-                                              materialize -> replay -> process_weights_after_loading
-                                              -> copy into the kernel tensors (reload) -> drop buffers
-    finalize_layerwise_reload(model)          untouched modules get their kernel tensors back;
-                                              incomplete modules are an error naming the parameters
+    record_metadata_for_reloading(model)   session      once, while the model's parameters are on meta
+    initialize_layerwise_reload(model)     session      kernel tensors set aside, meta params + wrapped loaders
+    model.load_weights(weights)            buffering    each loader call recorded on meta, held and counted by
+                                                        online_process_loader; a module whose elements are all
+                                                        written is handed on to
+                                           processing   coverage -> materialize -> replay ->
+                                                        process_weights_after_loading -> copy into the kernel
+                                                        tensors (reload) or stage them (atomic) -> drop buffers
+                                           units        (FusedMoE) the same per unit, one expert at a time
+    finalize_layerwise_reload(model)       session      deferred checks read (deferred), queued units processed,
+                                                        what incomplete modules lack named (coverage), staged
+                                                        modules committed, untouched ones get their kernel tensors
 
-Unit-wise modules (``FusedMoE``) are processed one *unit* at a time instead of whole (Limitations 9):
-a module with ``processing_unit(param_name, shard_id) -> (param_name, i)`` declares that each load
-writes only ``param[i]``. Loads are counted and buffered per unit; a complete unit alone is
-materialized ([2I, H] for an expert's w13), its loads replayed into it, and
-``quant_method.process_expert`` writes it into its slice of the layer's kernel-format tensors, which
-are allocated once, at the first unit (on a reload they are the live kernel tensors; atomic: a staged
-copy). The module is done when all its units are.
-
-:func:`layerwise_session` wraps initialize / finalize-or-abort for load, reload and weight sync.
-Where this goes beyond vLLM, and what it does not do, is listed in ``layerwise/reload/__init__.py``.
+:func:`abort_layerwise_reload` ends a session after an error instead, and :func:`layerwise_session` wraps initialize /
+finalize-or-abort for load, reload and weight sync. Where this goes beyond vLLM, and what it does not do, is listed
+in ``layerwise/reload/__init__.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from layerwise.checkpoint import LazyTensor
-from layerwise.errors import DuplicateWeightError, LayerwiseError, MissingWeightError, NonFiniteWeightError, ReloadError
-from layerwise.kernels import cpu_native, has_non_finite
-from layerwise.kernels.finite import deferred_finite_checks
-from layerwise.quant.base import check_finite
-from layerwise.quant.parameters import ModelWeightParameter, async_host_copies
-from layerwise.reload.counting import record_loader, written_numel
-from layerwise.reload.meta import (
-    StagingBuffer,
-    empty_like_metas,
-    layer_tensors,
-    materialize_layer,
-    restore_layer_on_meta,
-    set_layer_tensors,
+from layerwise.errors import MissingWeightError, NonFiniteWeightError, ReloadError
+from layerwise.quant.parameters import ModelWeightParameter
+from layerwise.reload.buffering import online_process_loader
+from layerwise.reload.coverage import _coverage_problems, _unit_problems
+from layerwise.reload.deferred import (
+    _add_non_finite,
+    _failed_deferred,
+    _failed_modules,
+    _find_non_finite_key,
+    _non_finite_message,
+    on_device,
 )
-from layerwise.reload.types import (
-    BufferedLoad,
-    DeferredCheck,
-    LayerReloadingInfo,
-    ReloadSession,
-    UnitState,
-    coverage,
-    unwritten_in_range,
-)
+from layerwise.reload.meta import StagingBuffer, layer_tensors, restore_layer_on_meta, set_layer_tensors
+from layerwise.reload.processing import _commit
+from layerwise.reload.types import LayerReloadingInfo, ReloadSession
+from layerwise.reload.units import _process_pending_units
 
 # The state lives on the modules themselves, never in a module-level registry: an info holds its
 # module's bound weight loaders, so a registry keyed by the module (even a WeakKeyDictionary) would
@@ -194,657 +182,6 @@ def initialize_layerwise_reload(
     return session
 
 
-def online_process_loader(module: nn.Module, info: LayerReloadingInfo, param_name: str) -> Callable:
-    """Wrap the weight loader of ``module.<param_name>`` for a layerwise load.
-
-    The returned ``loader(param, loaded_weight, shard_id=None, *, key=None)`` runs the original
-    loader on the meta parameter to learn which elements it writes, buffers the call (tensor kept on
-    CPU) with its checkpoint ``key`` (for error messages), adds to ``info.load_numel``, and once
-    ``load_numel`` reaches ``load_numel_total`` processes the module.
-    """
-
-    def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None, *, key: str | None = None):
-        session = info.session  # always set: loaders are wrapped only inside a session
-        if info.done:
-            raise DuplicateWeightError(
-                f"module {info.prefix} was already loaded in this session; {info.prefix}.{param_name} is written again",
-                key=key,
-            )
-        writes, verbatim_at = _recorded(module, info, param_name, loaded_weight, shard_id)
-        if info.unit_numel:  # Limitations 9: counted, buffered and processed per unit
-            load = BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at)
-            _load_unit(module, info, param_name, writes, load)
-            return
-        numel = written_numel(writes)
-        completes = info.load_numel + numel >= info.load_numel_total
-        loaded_weight = _hold(session, loaded_weight, completes)
-        info.loaded_weights.append(BufferedLoad(param_name, loaded_weight, shard_id, key, verbatim_at))
-        info.writes[param_name].extend(writes)
-        info.load_numel += numel
-        if completes:
-            _process_module(module, info, key)
-
-    return loader
-
-
-def _hold(session: ReloadSession, loaded_weight, completes: bool):
-    """What a load is held as until its module (or unit) is processed, its bytes counted in the session's buffered
-    bytes. One that does not complete its module: Limitations 2, buffers stay on the CPU, except that a session that
-    borrows device tensors holds the caller's own tensor (kept by the caller anyway, and a copy to the host would
-    synchronize: Limitations 12). One that completes it is processed right away, as it is."""
-    if not completes and loaded_weight.device.type != "cpu" and not session.borrow_device_tensors:
-        loaded_weight = loaded_weight.to("cpu")
-    session.buffered_bytes += loaded_weight.numel() * loaded_weight.element_size()
-    session.peak_buffered_bytes = max(session.peak_buffered_bytes, session.buffered_bytes)
-    return loaded_weight
-
-
-def _recorded(module: nn.Module, info: LayerReloadingInfo, param_name: str, loaded_weight, shard_id):
-    """:func:`record_loader` of one load, remembered per (parameter, loaded shape, strides, dtype, shard_id): the
-    meta run sees nothing else of the loaded tensor, so the same call records the same writes, and the next
-    reload skips the meta run (Limitations 1). A unit-wise module whose loader writes unit i's load as
-    unit 0's moved by i units declares it (``unit_shard_origin``: FusedMoE's experts); its loads are recorded
-    once for unit 0 and translated, so an MoE layer's 768 expert loads make 3 meta runs (Limitations 9)."""
-    original, meta_param = info.weight_loaders[param_name], info.restore_metadata[param_name]
-    origin = getattr(module, "unit_shard_origin", None) if info.unit_numel else None
-    index, recorded_shard = origin(shard_id) if origin is not None else (0, shard_id)
-    stride = tuple(loaded_weight.stride()) if isinstance(loaded_weight, torch.Tensor) else None  # lazy: contiguous
-    key = (param_name, tuple(loaded_weight.shape), stride, loaded_weight.dtype, recorded_shard)
-    try:
-        result = info.recorded[key]
-    except KeyError:
-        result = info.recorded[key] = record_loader(original, meta_param, loaded_weight, recorded_shard)
-    except TypeError:  # an unhashable shard_id: recorded every time
-        result = record_loader(original, meta_param, loaded_weight, recorded_shard)
-    if index == 0:
-        return result
-    shift = index * info.unit_numel[param_name]
-    writes, verbatim_at = result
-    return [(starts + shift, length) for starts, length in writes], None if verbatim_at is None else verbatim_at + shift
-
-
-def _unit_name(info: LayerReloadingInfo, unit: Hashable) -> str:
-    param_name, index = unit
-    return f"{info.prefix}.{param_name}[{index}]"
-
-
-def _load_unit(module: nn.Module, info: LayerReloadingInfo, param_name: str, writes: list, load: BufferedLoad) -> None:
-    """Count and buffer one load of a unit-wise module; complete its unit once all its elements are written."""
-    session = info.session
-    unit = module.processing_unit(param_name, load.shard_id)
-    index, n = unit[1], info.unit_numel[param_name]
-    first = index * n
-    relative = []
-    for starts, length in writes:
-        if len(starts) and (int(starts.min()) < first or int(starts.max()) + length > first + n):
-            raise LayerwiseError(f"a load declared for {_unit_name(info, unit)} writes outside it", key=load.key)
-        relative.append((starts - first, length))
-    state = info.units.setdefault(unit, UnitState())
-    if state.done:
-        raise DuplicateWeightError(
-            f"{_unit_name(info, unit)} was already loaded in this session and is written again", key=load.key
-        )
-    numel = written_numel(writes)
-    completes = state.load_numel + numel >= n
-    load.loaded_weight = _hold(session, load.loaded_weight, completes)
-    state.loaded_weights.append(load)
-    state.writes.extend(relative)
-    state.load_numel += numel
-    info.load_numel += numel
-    if completes:
-        _complete_unit(module, info, unit, state, load.key)
-
-
-def _complete_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, state: UnitState, key) -> None:
-    """Check a complete unit's coverage, then process it now, or, when its loads are unread checkpoint tensors
-    the quant method takes as pieces, queue it to be processed with the module's others (Limitations 9)."""
-    param_name, index = unit
-    unwritten, twice = _unit_coverage(state.writes, info.unit_numel[param_name])
-    if twice:  # Limitations 1
-        raise DuplicateWeightError(
-            f"double write: {_unit_name(info, unit)} ({twice} elements written more than once)", key=key
-        )
-    if unwritten:  # the count reached the total without doubles: cannot happen
-        raise MissingWeightError(f"incomplete unit {_unit_name(info, unit)} ({unwritten} elements)", key=key)
-    state.done = True
-    if _batchable(module, info, unit, state):
-        info.pending_units.append(unit)
-        # unread checkpoint tensors: nothing is held for the unit while it waits
-        info.session.buffered_bytes -= _buffered_bytes(state.loaded_weights)
-    else:
-        _process_unit(module, info, unit, state)
-    if info.pending_units and info.units_done + len(info.pending_units) == info.units_total:
-        _process_pending_units(module, info)  # the module's last unit: quantize every waiting one
-
-
-def _unit_coverage(writes: list, numel: int) -> tuple[int, int]:
-    """:func:`coverage` of a unit's writes; one whose loads each wrote one span, the spans tiling it exactly (an
-    expert's gate and up, or its down), needs no interval arithmetic."""
-    if all(len(starts) == 1 for starts, _ in writes):
-        reach = 0
-        for start, length in sorted((int(starts[0]), length) for starts, length in writes):
-            if start != reach:
-                break
-            reach += length
-        else:
-            if reach == numel:
-                return 0, 0
-    return coverage(writes, numel)
-
-
-def _batchable(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, state: UnitState) -> bool:
-    """Whether the unit can wait to be processed with others: every load an unread checkpoint tensor (a lazy
-    tensor: holding it costs nothing) that the quant method takes as a piece, on the device of the unit's
-    kernel tensors."""
-    if not all(type(b.loaded_weight) is LazyTensor for b in state.loaded_weights):
-        return False
-    param_name, index = unit
-    shape = info.restore_metadata[param_name].shape[1:]
-    first = index * info.unit_numel[param_name]
-    return _piece_spans(module.quant_method, shape, state.loaded_weights, info.session.device, first) is not None
-
-
-def _unit_targets(module: nn.Module, info: LayerReloadingInfo) -> dict[str, torch.Tensor]:
-    """The kernel-format tensors units are written into, set up at the module's first unit."""
-    session = info.session
-    if not info.unit_targets:
-        if not info.kernel_tensors:  # first load: allocated once, on the device
-            info.unit_targets = module.quant_method.create_kernel_tensors(module, session.device)
-        elif session.atomic:  # a staged copy (the units not streamed keep their bytes), committed at finalize
-            info.unit_targets = info.staged = {n: t.detach().clone() for n, t in info.kernel_tensors.items()}
-        else:  # reload: the live kernel tensors themselves, written expert by expert
-            info.unit_targets = info.kernel_tensors
-    return info.unit_targets
-
-
-def _process_unit(module: nn.Module, info: LayerReloadingInfo, unit: Hashable, state: UnitState) -> None:
-    """Materialize one unit -> replay its loads -> process_expert into the kernel tensors -> free it."""
-    session = info.session
-    param_name, index = unit
-    targets = _unit_targets(module, info)
-    meta = info.restore_metadata[param_name]
-    unit_meta = torch.empty(meta.shape[1:], dtype=meta.dtype, device="meta")
-    first = index * info.unit_numel[param_name]
-    device = targets[param_name].device  # where the expert's FP8 slice lives, which the pieces are quantized into
-    pieces = _loaded_pieces(module.quant_method, unit_meta.shape, state.loaded_weights, device, first)
-    weight = as_param = None
-    # checks recorded and host-to-device copies that do not wait, as in a module's replay and processing
-    with _deferral(session, info.prefix, state.loaded_weights):
-        if pieces is None:
-            # CPU: the unit reuses the staging buffer's touched memory
-            weight = empty_like_metas({param_name: unit_meta}, session.device, session.staging)[param_name]
-            # the unit seen as the whole parameter: every index along dim 0 is this unit's storage, so the module's
-            # own loader, which writes only param[index] (checked above on meta), fills it
-            as_param = weight.unsqueeze(0).expand(meta.shape)
-            for buffered in state.loaded_weights:
-                info.weight_loaders[param_name](as_param, buffered.loaded_weight, buffered.shard_id)
-        started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
-        try:
-            if pieces is None:
-                module.quant_method.process_expert(module, param_name, index, weight, targets)
-            else:
-                module.quant_method.process_expert(module, param_name, index, None, targets, weight_pieces=pieces)
-        except NonFiniteWeightError as e:  # raised by the scale, before any write
-            info.units_started = started_before
-            raise _non_finite_unit(info, unit, state) from e
-    del weight, as_param
-    _unit_processed(module, info, unit, state)
-
-
-def _non_finite_unit(info: LayerReloadingInfo, unit: Hashable, state: UnitState) -> NonFiniteWeightError:
-    """The NonFiniteWeightError to raise for ``unit``: named by the unit and by the checkpoint key that holds the
-    NaN or Inf (each of its loads is read until one does)."""
-    return NonFiniteWeightError(
-        f"non-finite value (NaN or Inf) in {_unit_name(info, unit)}", key=_find_non_finite_key(state.loaded_weights)
-    )
-
-
-def _process_pending_units(module: nn.Module, info: LayerReloadingInfo) -> None:
-    """Quantize the module's queued units in one ``process_experts`` call over all their pieces: every unit's
-    scale before any write (a NaN or Inf anywhere leaves the module untouched; with ``defer_checks`` it is written
-    and reported at finalize, Limitations 12), on CPU one native pass for the
-    scales and one for the bytes of each parameter, instead of ~10 small calls per expert."""
-    pending, info.pending_units = info.pending_units, []
-    targets = _unit_targets(module, info)
-    device = next(iter(targets.values())).device
-    batches: dict[str, tuple[list, list]] = {}
-    queued = []
-    for unit in pending:
-        state = info.units[unit]
-        first = unit[1] * info.unit_numel[unit[0]]
-        shape = info.restore_metadata[unit[0]].shape[1:]
-        pieces = _loaded_pieces(module.quant_method, shape, state.loaded_weights, device, first)
-        if pieces is None:  # cannot happen for whole checkpoint tensors: processed alone
-            _process_unit(module, info, unit, state)
-            continue
-        ids, weights = batches.setdefault(unit[0], ([], []))
-        ids.append(unit[1])
-        weights.append(pieces)
-        queued.append((unit, state))
-    if not queued:
-        return
-    started_before, info.units_started = info.units_started, True  # the kernel tensors may now change
-    loads = [b for _, state in queued for b in state.loaded_weights]
-    try:
-        with _deferral(info.session, info.prefix, loads):
-            module.quant_method.process_experts(module, batches, targets)
-    except NonFiniteWeightError as e:  # raised before any write
-        info.units_started = started_before
-        bad = [(u, s) for u, s in queued if _find_non_finite_key(s.loaded_weights)]
-        if not bad:
-            raise
-        raise _non_finite_unit(info, *bad[0]) from e
-    for unit, state in queued:
-        _unit_processed(module, info, unit, state, counted=False)
-
-
-def _unit_processed(
-    module: nn.Module, info: LayerReloadingInfo, unit: Hashable, state: UnitState, counted: bool = True
-) -> None:
-    """Account for a unit written into the kernel tensors (``counted``: its loads still count as buffered, not a
-    unit that waited); the module is done once all its units are."""
-    session = info.session
-    meta = info.restore_metadata[unit[0]]
-    nbytes = info.unit_numel[unit[0]] * meta.element_size()
-    session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
-    if counted:
-        session.buffered_bytes -= _buffered_bytes(state.loaded_weights)
-    state.loaded_weights = []
-    state.done = True
-    info.units_done += 1
-    if info.units_done == info.units_total:
-        info.done = True
-        session.processed.append(info.prefix)
-        if not (session.atomic and info.kernel_tensors):  # an atomic reload commits the staged copy at finalize
-            set_layer_tensors(module, info.unit_targets)
-
-
-_MAX_UNIT_PROBLEMS = 8  # problems named per unit-wise module in one message
-
-
-def _unit_problems(module: nn.Module, info: LayerReloadingInfo, first_load: bool) -> list[str]:
-    """What a unit-wise module lacks at finalize, named by checkpoint key: every unit on a first load,
-    on a reload only the units that received some of their elements (Limitations 3)."""
-    problems = []
-    for unit in module.processing_units():
-        state = info.units.get(unit)
-        if state is not None and state.done or state is None and not first_load:
-            continue
-        writes = state.writes if state is not None else []
-        for name, start, stop in module.unit_checkpoint_names(unit):
-            unwritten = unwritten_in_range(writes, start, stop)
-            if unwritten:
-                problems.append(f"{info.prefix}.{name} ({unwritten} of {stop - start} elements never written)")
-        twice = coverage(writes, info.unit_numel[unit[0]])[1]
-        if twice:
-            problems.append(f"{_unit_name(info, unit)} ({twice} elements written more than once)")
-    if len(problems) > _MAX_UNIT_PROBLEMS:  # a whole missing MoE layer would list 3 x num_experts keys
-        hidden = len(problems) - _MAX_UNIT_PROBLEMS
-        problems = problems[:_MAX_UNIT_PROBLEMS] + [f"... and {hidden} more tensors of {info.prefix}"]
-    return problems
-
-
-def _coverage_problems(info: LayerReloadingInfo) -> tuple[list[str], list[str]]:
-    missing, doubled = [], []
-    for name, meta in info.restore_metadata.items():
-        unwritten, twice = coverage(info.writes[name], meta.numel())
-        if unwritten:
-            missing.append(f"{info.prefix}.{name} ({unwritten} of {meta.numel()} elements never written)")
-        if twice:
-            doubled.append(f"{info.prefix}.{name} ({twice} elements written more than once)")
-    return missing, doubled
-
-
-def _buffered_bytes(loads: list[BufferedLoad]) -> int:
-    return sum(b.loaded_weight.numel() * b.loaded_weight.element_size() for b in loads)
-
-
-def _find_non_finite_key(loads: list[BufferedLoad]) -> str | None:
-    for buffered in loads:
-        w = buffered.loaded_weight
-        if has_non_finite(w if isinstance(w, torch.Tensor) else w.materialize()):  # a LazyTensor: read it
-            return buffered.key
-    return None
-
-
-@contextlib.contextmanager
-def _deferral(session: ReloadSession, prefix: str, loads: list[BufferedLoad]) -> Iterator[list[torch.Tensor]]:
-    """With ``session.defer_checks``: finiteness checks recorded and host-to-device copies that do not wait, for the
-    block (Limitations 12); otherwise nothing. Yields the list the checks are recorded into (the block may add its
-    own flags); when the block ends without an error they are kept for finalize as one DeferredCheck of the module
-    ``prefix`` (a unit-wise module gets one per processing call), with the ``loads`` that name its key."""
-    flags: list[torch.Tensor] = []
-    if session.defer_checks:
-        with deferred_finite_checks(flags), async_host_copies():
-            yield flags
-    else:
-        yield flags
-    if flags:
-        flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-        session.deferred.append(DeferredCheck(prefix, flag, loads))
-
-
-def model_defers_checks(model: nn.Module) -> bool:
-    """Whether ``model``'s reloads of a list and its checkpoint-format weight updates defer their NaN/Inf checks
-    (Limitations 12): on CUDA (on the CPU no device waits for the host), without tensor parallelism (a NaN must
-    fail every rank's amax reduction at once)."""
-    if getattr(model, "tp_group", None) is not None:
-        return False
-    return any(p.device.type == "cuda" for p in model.parameters())
-
-
-def on_device(device: torch.device):
-    """The session's CUDA device made current (Triton launches on the current device's stream, torch ops on the
-    tensors' device: with the model on cuda:1 both must be cuda:1's); nothing for other devices."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _drain(session: ReloadSession) -> None:
-    """Wait for the device work a session that defers its checks may have left queued on the device's current
-    stream (copies from the caller's tensors among it): after this the caller may reuse those tensors."""
-    if session.defer_checks and session.device.type == "cuda":
-        torch.cuda.current_stream(session.device).synchronize()
-
-
-def _failed_deferred(session: ReloadSession) -> list[DeferredCheck]:
-    """Wait for the device, then read every deferred check in one go (Limitations 12) and forget them; returns the
-    checks of the modules that held NaN or Inf (written like the others)."""
-    checks, session.deferred = session.deferred, []
-    _drain(session)
-    if not checks:
-        return []
-    flags = torch.stack([c.flag for c in checks]).tolist()
-    return [c for c, bad in zip(checks, flags, strict=True) if bad]
-
-
-def _failed_modules(failed: list[DeferredCheck]) -> list[str]:
-    """The modules of ``failed``, each once (a unit-wise module has a check per processing call)."""
-    return list(dict.fromkeys(c.prefix for c in failed))
-
-
-def _add_non_finite(session: ReloadSession, failed: list[DeferredCheck]) -> None:
-    """Add the modules of ``failed`` to ``session.non_finite_modules``, each module listed once."""
-    session.non_finite_modules.extend(m for m in _failed_modules(failed) if m not in session.non_finite_modules)
-
-
-def _non_finite_message(failed: list[DeferredCheck], atomic: bool, where: str = "the stream") -> str:
-    modules = _failed_modules(failed)
-    subject = "these modules were" if len(modules) > 1 else "the module was"
-    effect = "staged, not written (atomic)" if atomic else "written with it"
-    return (
-        f"non-finite value (NaN or Inf) in a weight of {', '.join(modules)}, found at the end of "
-        f"{where}: {subject} {effect}"
-    )
-
-
-def check_deferred(session: ReloadSession) -> None:
-    """Wait for the device and read the checks deferred so far (Limitations 12), as a weight update does at the
-    end of each batch, while the batch's tensors are still valid (the transport refills them next).
-
-    Raises:
-        NonFiniteWeightError: a module processed since the last read held NaN or Inf; it was written like the
-            others and is added to ``session.non_finite_modules`` (atomic: staged, and not added). Names the key.
-    """
-    failed = _failed_deferred(session)
-    if failed:
-        if not session.atomic:  # staged modules are dropped by the abort that follows: nothing holds the NaN
-            _add_non_finite(session, failed)
-        message = _non_finite_message(failed, session.atomic, "the batch")
-        raise NonFiniteWeightError(message, key=_find_non_finite_key(failed[0].loads))
-
-
-def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None) -> None:
-    """Materialize -> replay -> process_weights_after_loading -> commit or stage (``key``: the
-    checkpoint key whose load completed the module, named by coverage errors)."""
-    session = info.session
-    missing, doubled = _coverage_problems(info)
-    if doubled:  # Limitations 1: exact regions, so a double write cannot hide a missing one
-        raise DuplicateWeightError("double write: " + "; ".join(doubled + missing), key=key)
-    if missing:  # load_numel reached the total although regions are missing: cannot happen without doubles
-        raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
-    quant_method = getattr(module, "quant_method", None)
-    live = info.kernel_tensors if info.kernel_tensors and not session.atomic else None  # written right away
-    pieces = finite = None
-    if live is not None and _loads_into_kernel_tensors(module, info):
-        # processing only checks these parameters: the loads are replayed straight into the live tensors
-        materialize_layer(module, info, session.device, into=live)
-        info.in_place = True
-        finite = _copy_checked(info, live)
-    else:
-        pieces = _weight_pieces(module, info)
-        # staged (CPU): what processing replaces (an FP8 method's weight); on a non-atomic reload every module,
-        # whose processed values are copied into the kernel tensors right away (an atomic one keeps them)
-        replaced = quant_method is not None and quant_method.replaces_weight
-        staging = session.staging if replaced or live is not None else None
-        skip = ("weight",) if pieces is not None else ()  # quantized from the loaded tensors themselves
-        materialize_layer(module, info, session.device, staging, keep_on_meta=skip)
-    nbytes = sum(p.numel() * p.element_size() for p in info.restore_metadata.values())
-    session.unit_bytes[info.prefix] = max(session.unit_bytes.get(info.prefix, 0), nbytes)
-    with _deferral(session, info.prefix, info.loaded_weights) as flags:
-        for buffered in info.loaded_weights if finite is None else ():
-            if pieces is not None and buffered.param_name == "weight":
-                continue
-            info.weight_loaders[buffered.param_name](
-                module._parameters[buffered.param_name], buffered.loaded_weight, buffered.shard_id
-            )
-        try:
-            if finite is not None:  # copied and checked in one pass: what processing would check is known
-                if not finite and session.defer_checks:
-                    flags.append(torch.ones((), dtype=torch.bool))
-                elif not finite:
-                    raise NonFiniteWeightError("a parameter holds NaN or Inf")
-            elif pieces is not None:
-                quant_method.process_weights_after_loading(module, into=live, weight_pieces=pieces)
-            elif quant_method is not None:
-                quant_method.process_weights_after_loading(module, into=live)
-            else:
-                check_finite(module)
-        except NonFiniteWeightError as e:  # raised before a quant method writes ``into`` the live tensors
-            restore_layer_on_meta(module, info)
-            raise NonFiniteWeightError(
-                f"non-finite value (NaN or Inf) in a weight of {info.prefix}: {e.message}",
-                key=_find_non_finite_key(info.loaded_weights),
-            ) from e
-        except BaseException:  # anything else may come after a write into the live tensors: reported as updated
-            info.in_place = info.in_place or live is not None
-            raise
-    if live is not None:  # copied into the kernel tensors: nothing keeps the buffer
-        processed = layer_tensors(module)
-        _check_kernel_format(info, processed)
-        info.in_place = info.in_place or any(_same_memory(t, live[n]) for n, t in processed.items())
-        _commit(module, info, processed)
-    else:
-        if session.staging is not None:
-            session.staging.release(module)  # the next module reuses the buffer: copy out what lives there (a bias)
-        processed = layer_tensors(module)
-        if info.kernel_tensors:  # atomic: committed at finalize
-            _check_kernel_format(info, processed)
-            info.staged = processed
-            restore_layer_on_meta(module, info)
-    session.buffered_bytes -= _buffered_bytes(info.loaded_weights)
-    info.loaded_weights = []
-    info.done = True
-    session.processed.append(info.prefix)
-
-
-def _check_kernel_format(info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
-    if set(processed) != set(info.kernel_tensors):
-        raise LayerwiseError(
-            f"module {info.prefix}: processing produced {sorted(processed)}, "
-            f"but the live model holds {sorted(info.kernel_tensors)}"
-        )
-    for name, new in processed.items():
-        old = info.kernel_tensors[name]
-        if new.shape != old.shape or new.dtype != old.dtype:
-            raise LayerwiseError(
-                f"{info.prefix}.{name}: processed {new.dtype}{tuple(new.shape)} does not "
-                f"fit the kernel tensor {old.dtype}{tuple(old.shape)}"
-            )
-
-
-def _weight_pieces(module: nn.Module, info: LayerReloadingInfo) -> list[tuple[int, torch.Tensor]] | None:
-    """The module's ``weight`` as its loaded tensors (:func:`_loaded_pieces`), else None."""
-    quant_method = getattr(module, "quant_method", None)
-    meta = info.restore_metadata.get("weight")
-    if quant_method is None or meta is None:
-        return None
-    loads = [b for b in info.loaded_weights if b.param_name == "weight"]
-    return _loaded_pieces(quant_method, meta.shape, loads, info.session.device)
-
-
-def _piece_spans(
-    quant_method, shape: torch.Size, loads: list[BufferedLoad], device: torch.device, first: int = 0
-) -> list[tuple[int, int]] | None:
-    """The (flat element offset, numel) of each of ``loads`` in a weight of ``shape``, when every one is a
-    verbatim copy of a tensor already on ``device`` and the quant method takes them as pieces
-    (``accepts_weight_pieces``); else None. Reads nothing. ``first``: the flat offset of the weight in the
-    parameter the loads were recorded against (a unit's, in its module's)."""
-    if not loads or any(b.verbatim_at is None for b in loads):
-        return None
-    spans = [(b.verbatim_at - first, b.loaded_weight.numel()) for b in loads]
-    if not quant_method.accepts_weight_pieces(shape, spans):
-        return None
-    if any(b.loaded_weight.device != device for b in loads):  # before reading a lazy checkpoint tensor
-        return None
-    return spans
-
-
-def _loaded_pieces(
-    quant_method, shape: torch.Size, loads: list[BufferedLoad], device: torch.device, first: int = 0
-) -> list[tuple[int, torch.Tensor]] | None:
-    """A weight of ``shape`` as the loaded tensors themselves, [(flat element offset, tensor)], when
-    :func:`_piece_spans` takes the loads and each is contiguous: the copy into the staging buffer is then
-    skipped (on a CPU load, a memory-mapped checkpoint tensor is quantized where the page cache holds it).
-    Else None (Limitations 10)."""
-    spans = _piece_spans(quant_method, shape, loads, device, first)
-    if spans is None:
-        return None
-    pieces = []
-    for (offset, _), b in zip(spans, loads, strict=True):
-        t = b.loaded_weight if isinstance(b.loaded_weight, torch.Tensor) else b.loaded_weight.materialize()
-        if not t.is_contiguous():
-            return None
-        pieces.append((offset, t))
-    return pieces
-
-
-def _copy_checked(info: LayerReloadingInfo, live: dict[str, torch.Tensor]) -> bool | None:
-    """Where every load of a module replayed into its live tensors is a verbatim copy that the native kernels
-    take (:func:`cpu_native.copy_checked`), make those copies and return whether every loaded value is finite:
-    the check its processing would make, in the copies' own pass (Limitations 11). Else None, nothing copied."""
-    copies = []
-    for b in info.loaded_weights:
-        if b.verbatim_at is None:
-            return None
-        src = b.loaded_weight if isinstance(b.loaded_weight, torch.Tensor) else b.loaded_weight.materialize()
-        dst = live[b.param_name].data.view(-1)[b.verbatim_at : b.verbatim_at + src.numel()]
-        if not cpu_native.supports_copy(src, dst):
-            return None
-        copies.append((src, dst))
-    finite = True
-    for src, dst in copies:
-        finite &= cpu_native.copy_checked(src, dst)
-    return finite
-
-
-def _loads_into_kernel_tensors(module: nn.Module, info: LayerReloadingInfo) -> bool:
-    """Whether the module's kernel tensors are its checkpoint-format parameters (no quant method, or one whose
-    ``checkpoint_format`` says processing only checks them), same names, shapes and dtypes, none a tensor
-    subclass: a non-atomic reload can then replay the loads into them directly (Limitations 11)."""
-    quant_method = getattr(module, "quant_method", None)
-    if quant_method is not None and not quant_method.checkpoint_format:
-        return False
-    metas, live = info.restore_metadata, info.kernel_tensors
-    if set(metas) != set(live):
-        return False
-    for name, meta in metas.items():
-        t = live[name]
-        if is_traceable_wrapper_subclass(t):  # its data is in inner tensors, not in t's own storage
-            return False
-        if (t.shape, t.dtype) != (meta.shape, meta.dtype) or not t.is_contiguous():
-            return False
-    return True
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same elements of the same storage (a copy between them is a no-op);
-    never for tensor subclasses that wrap inner tensors (torchao's), whose own data_ptr says nothing."""
-    if a is b:  # a quant method that wrote the live tensor itself (quant/torchao.py Limitations 5)
-        return True
-    if is_traceable_wrapper_subclass(a) or is_traceable_wrapper_subclass(b):
-        return False
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-
-
-def _commit(module: nn.Module, info: LayerReloadingInfo, processed: dict[str, torch.Tensor]) -> None:
-    """Copy processed values into the kernel tensors' storage (unless already written there) and put those
-    objects back."""
-    with torch.no_grad():
-        for name, new in processed.items():
-            old = info.kernel_tensors[name]
-            if not _same_memory(new, old):
-                old.copy_(new)
-    set_layer_tensors(module, info.kernel_tensors)
-
-
-def _close(info: LayerReloadingInfo) -> None:
-    """Unwrap the module's loaders and forget the session's state for it."""
-    for name, meta_param in info.restore_metadata.items():
-        meta_param.weight_loader = info.weight_loaders[name]
-    info.reset()
-    info.session = None
-
-
-def release_staging(model: nn.Module) -> int:
-    """Free the CPU staging buffer a reload left on ``model`` for the next one (Limitations 8).
-
-    Returns:
-        the bytes freed (0 if there was none).
-    Raises:
-        RuntimeError: a load, reload or weight update is in progress on the model.
-    """
-    if _session(model) is not None:
-        raise RuntimeError("a layerwise load/reload is in progress on this model; release its staging after it")
-    staging = model.__dict__.pop(_STAGING_ATTR, None)
-    return 0 if staging is None else staging.nbytes
-
-
-def staging_bytes(model: nn.Module) -> int:
-    """Bytes of the CPU staging buffer kept on ``model`` between reloads (0 if none)."""
-    staging = model.__dict__.get(_STAGING_ATTR)
-    return 0 if staging is None else staging.nbytes
-
-
-def abort_layerwise_reload(model: nn.Module) -> list[str]:
-    """End a session after an error, leaving the model usable.
-
-    Every module whose kernel tensors were not overwritten gets them back unchanged; staged values
-    (atomic) are dropped. Returns the prefixes of the modules that were already overwritten (empty for
-    an atomic session, unless its finalize failed midway through the commit). On a first load there is
-    nothing to restore and the model stays on meta. A session that deferred its checks (Limitations 12)
-    then waits for the device and records the written modules that held NaN or Inf in
-    ``session.non_finite_modules``.
-    """
-    session = _end_session(model)
-    if session is None:
-        return []
-    updated = list(session.committed)  # closed by a finalize that then failed
-    try:
-        for prefix, module in session.modules.items():
-            info = get_layerwise_info(module)
-            if info.kernel_tensors:
-                written = (info.done or info.units_started or info.in_place) and not session.atomic  # written into
-                if written and prefix not in updated:
-                    updated.append(prefix)
-                set_layer_tensors(module, info.kernel_tensors)
-            _close(info)
-    finally:
-        # Limitations 12: the caller may reuse its stream's tensors once the error reaches it, and a NaN the
-        # device found before another error ended the stream is still reported
-        _add_non_finite(session, _failed_deferred(session))
-    return updated
-
-
 def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
     """Close the session: check completeness, commit staged modules, restore untouched modules.
 
@@ -911,6 +248,36 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
     return session
 
 
+def abort_layerwise_reload(model: nn.Module) -> list[str]:
+    """End a session after an error, leaving the model usable.
+
+    Every module whose kernel tensors were not overwritten gets them back unchanged; staged values
+    (atomic) are dropped. Returns the prefixes of the modules that were already overwritten (empty for
+    an atomic session, unless its finalize failed midway through the commit). On a first load there is
+    nothing to restore and the model stays on meta. A session that deferred its checks (Limitations 12)
+    then waits for the device and records the written modules that held NaN or Inf in
+    ``session.non_finite_modules``.
+    """
+    session = _end_session(model)
+    if session is None:
+        return []
+    updated = list(session.committed)  # closed by a finalize that then failed
+    try:
+        for prefix, module in session.modules.items():
+            info = get_layerwise_info(module)
+            if info.kernel_tensors:
+                written = (info.done or info.units_started or info.in_place) and not session.atomic  # written into
+                if written and prefix not in updated:
+                    updated.append(prefix)
+                set_layer_tensors(module, info.kernel_tensors)
+            _close(info)
+    finally:
+        # Limitations 12: the caller may reuse its stream's tensors once the error reaches it, and a NaN the
+        # device found before another error ended the stream is still reported
+        _add_non_finite(session, _failed_deferred(session))
+    return updated
+
+
 @contextlib.contextmanager
 def layerwise_session(
     model: nn.Module, *, device: torch.device | None = None, atomic: bool = False, defer_checks: bool = False
@@ -939,6 +306,34 @@ def layerwise_session(
             if _session(model) is session:  # failed midway (a commit's copy_), not by its own checks, which abort
                 session.updated_before_abort = abort_layerwise_reload(model)
             raise
+
+
+def release_staging(model: nn.Module) -> int:
+    """Free the CPU staging buffer a reload left on ``model`` for the next one (Limitations 8).
+
+    Returns:
+        the bytes freed (0 if there was none).
+    Raises:
+        RuntimeError: a load, reload or weight update is in progress on the model.
+    """
+    if _session(model) is not None:
+        raise RuntimeError("a layerwise load/reload is in progress on this model; release its staging after it")
+    staging = model.__dict__.pop(_STAGING_ATTR, None)
+    return 0 if staging is None else staging.nbytes
+
+
+def staging_bytes(model: nn.Module) -> int:
+    """Bytes of the CPU staging buffer kept on ``model`` between reloads (0 if none)."""
+    staging = model.__dict__.get(_STAGING_ATTR)
+    return 0 if staging is None else staging.nbytes
+
+
+def _close(info: LayerReloadingInfo) -> None:
+    """Unwrap the module's loaders and forget the session's state for it."""
+    for name, meta_param in info.restore_metadata.items():
+        meta_param.weight_loader = info.weight_loaders[name]
+    info.reset()
+    info.session = None
 
 
 class _MissingOnReload(ReloadError, MissingWeightError):

@@ -30,6 +30,10 @@ class BufferedLoad:
     verbatim_at: int | None = None
 
 
+def _buffered_bytes(loads: list[BufferedLoad]) -> int:
+    return sum(b.loaded_weight.numel() * b.loaded_weight.element_size() for b in loads)
+
+
 @dataclass
 class UnitState:
     """Loads of one processing unit of a unit-wise module (``FusedMoE``: expert e's w13 or w2).
@@ -158,7 +162,7 @@ class ReloadSession:
             for it: the whole module, or, for a unit-wise module, its largest processing unit (one
             expert's w13). The session's transient device memory is about the largest of these.
         defer_checks: finiteness checks are made on the device and read once, at finalize (or at the end of
-            each batch of a weight update, :func:`layerwise.reload.session.check_deferred`); host-to-device
+            each batch of a weight update, :func:`layerwise.reload.deferred.check_deferred`); host-to-device
             copies do not wait (Limitations 12).
         borrow_device_tensors: a buffered load of a device tensor keeps the caller's tensor instead of a host
             copy (with ``defer_checks`` on a stream the caller holds until the session ends: a reload of a

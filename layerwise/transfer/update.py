@@ -35,15 +35,13 @@ from layerwise.errors import (
     LayerwiseError,
     ReloadError,
 )
+from layerwise.reload.deferred import check_deferred, model_defers_checks, on_device
 from layerwise.reload.kernel_format import KernelTensorWriter
 from layerwise.reload.session import (
     abort_layerwise_reload,
-    check_deferred,
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,
-    model_defers_checks,
-    on_device,
 )
 from layerwise.reload.types import ReloadReport
 from layerwise.routing import stream_weights
