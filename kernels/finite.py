@@ -8,7 +8,7 @@ the copy floor is our reading, not yet measured.) Inside
 :func:`layerwise.kernels.reference.non_finite_flag`) to the caller's list instead of raising; the caller
 reads the list later, in one synchronization. What the checked tensor was used for in the meantime has
 happened: an FP8 weight with a NaN was quantized (with a scale of 1.0 or Inf) and written. Only a
-caller that can report such a write uses this (``layerwise.reload.session``, Limitations 12).
+caller that can report such a write uses this (``layerwise.reload.deferred``, Limitations 12).
 
 The state is a context variable: a plain list of flags per ``with`` block, nothing that holds a model.
 """

@@ -28,7 +28,7 @@ def async_host_copies() -> Iterator[None]:
     overlaps what the host does next. Other copies block as before.
 
     Only for a caller that keeps every source tensor unchanged until it synchronizes the device (a reload from
-    a sequence the caller holds, ``layerwise.reload.session`` Limitations 12): a producer that refills a pinned
+    a sequence the caller holds, ``layerwise.reload.deferred`` Limitations 12): a producer that refills a pinned
     buffer after handing out a view of it would otherwise race the copy.
     """
     token = _ASYNC_HOST_COPIES.set(True)

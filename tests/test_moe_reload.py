@@ -412,13 +412,13 @@ def test_a_failure_inside_the_first_expert_reports_the_layer(pair, monkeypatch):
 def test_expert_loads_are_recorded_once_per_projection(pair, monkeypatch):
     # FusedMoE declares its loader translation-invariant (unit_shard_origin): expert e's loads are expert 0's
     # recordings moved by e experts, so each MoE layer makes 3 meta runs (gate, up, down) instead of 3 per expert
-    import layerwise.reload.buffering as session
+    import layerwise.reload.buffering as buffering
 
     arch, a, _ = pair
     calls = []
-    record = session.record_loader
+    record = buffering.record_loader
     monkeypatch.setattr(
-        session, "record_loader", lambda loader, meta, w, shard: calls.append(shard) or record(loader, meta, w, shard)
+        buffering, "record_loader", lambda loader, meta, w, shard: calls.append(shard) or record(loader, meta, w, shard)
     )
     model = layerwise.load_model(a)
     expert_shards = [s for s in calls if isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], int)]

@@ -120,13 +120,13 @@ def test_fp8_reload_quantizes_into_the_live_weight(pair, scheme, monkeypatch):
 
 
 def test_loader_writes_are_recorded_once_per_distinct_call(pair, monkeypatch):
-    import layerwise.reload.buffering as session
+    import layerwise.reload.buffering as buffering
 
     a, b = pair
     model = layerwise.load_model(a)
     calls = []
-    record = session.record_loader
-    monkeypatch.setattr(session, "record_loader", lambda *args: calls.append(1) or record(*args))
+    record = buffering.record_loader
+    monkeypatch.setattr(buffering, "record_loader", lambda *args: calls.append(1) or record(*args))
     layerwise.reload_weights(model, b)
     assert calls == []  # the load recorded every (parameter, shape, dtype, shard) the reload brings
     # a double write is still caught: coverage is computed from the recorded writes each time. (A stream's

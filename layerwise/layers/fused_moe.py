@@ -13,7 +13,7 @@ vLLM's names: "w1" (gate), "w3" (up), "w2" (down).
 During a layerwise load the layer is processed one *unit* at a time (:meth:`FusedMoE.processing_unit`):
 expert e's w13 rows (gate and up together, since a per-tensor scale spans both) and expert e's w2, so
 the device never holds more than one expert's checkpoint-dtype weights besides the quantized model
-(see ``layerwise/reload/session.py``).
+(see ``layerwise/reload/units.py``).
 
 Routing is transformers' (``modeling_qwen3_moe.py`` / ``modeling_mixtral.py``, v5): router logits in
 the activation dtype, softmax in float32, top-k, renormalized over the k chosen experts when asked
@@ -163,7 +163,7 @@ class FusedMoE(nn.Module):
             )
         copy_loaded(loaded_weight, target)  # without waiting where a session allows it (Limitations 12)
 
-    # --- per-expert processing units (layerwise/reload/session.py) -----------------------------------
+    # --- per-expert processing units (layerwise/reload/units.py) -------------------------------------
 
     def unit_shard_origin(self, shard_id: tuple[int, str]) -> tuple[int, tuple[int, str]]:
         """(expert id, the same load's shard_id for expert 0): :meth:`weight_loader` writes expert e's load exactly

@@ -133,7 +133,7 @@ def initialize_layerwise_reload(
             host-to-device copies run ahead (no host synchronization per module on CUDA; Limitations 12).
             Only for a stream whose tensors the caller keeps unchanged until finalize or abort returns
             (a sequence it holds), and never with a cross-rank amax reduction (tensor parallelism). A weight
-            update reads them at the end of each batch instead (:func:`check_deferred`).
+            update reads them at the end of each batch instead (:func:`layerwise.reload.deferred.check_deferred`).
         borrow_device_tensors: a buffered load of a device tensor keeps the caller's tensor instead of a host
             copy (a host copy synchronizes); default: ``defer_checks``. False for a weight update, whose
             transport refills the buffers its tensors are views of.
