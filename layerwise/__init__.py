@@ -4,6 +4,7 @@ from layerwise.api import LoadReport, ReloadReport, load_model, load_model_with_
 from layerwise.errors import (
     CheckpointError,
     ConfigError,
+    DeviceError,
     DuplicateWeightError,
     LayerwiseError,
     MissingDependencyError,
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "DeviceError",
     "DuplicateWeightError",
     "LayerwiseError",
     "LoadReport",

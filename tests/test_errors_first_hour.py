@@ -1,0 +1,73 @@
+"""The errors a new user meets in the first hour say what to do: a device this torch cannot use, ids the model
+cannot embed, a checkpoint in another format, a hub id, a scheme name from another tool, a missing extra."""
+
+import re
+
+import pytest
+import torch
+
+import layerwise
+from layerwise.api import resolve_device
+from layerwise.demo import write_checkpoint
+from layerwise.engine import Engine
+from tests.test_errors import TINY
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("first_hour") / "ckpt", TINY)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return layerwise.load_model(ckpt)
+
+
+@pytest.fixture
+def cpu_only_torch(monkeypatch):
+    """torch as a CPU-only build sees it, on any machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+
+# ---- 1. a device this torch build cannot use: checked before anything is read
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda")])
+def test_cuda_on_a_cpu_only_torch_names_the_build(cpu_only_torch, tmp_path, device):
+    with pytest.raises(layerwise.DeviceError) as e:
+        layerwise.load_model(tmp_path / "not-even-there", device=device)  # the device is checked first
+    assert str(e.value) == (
+        f"device {str(device)!r}: no CUDA GPU is visible to torch (torch {torch.__version__}, a CPU-only build "
+        f"without CUDA); use cpu, or a CUDA build of torch on a machine with a GPU"
+    )
+    assert isinstance(e.value, ValueError) and isinstance(e.value, layerwise.LayerwiseError)
+
+
+def test_cuda_build_without_a_visible_gpu_says_where_to_look(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(layerwise.DeviceError, match="built for CUDA 13.0: check nvidia-smi and CUDA_VISIBLE_DEVICES"):
+        resolve_device("cuda")
+
+
+def test_gpu_index_past_the_visible_ones(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(layerwise.DeviceError) as e:
+        resolve_device("cuda:2")
+    assert str(e.value) == "device 'cuda:2': only 2 CUDA device(s) visible: cuda:0 to cuda:1"
+
+
+@pytest.mark.parametrize(
+    "device,words",
+    [("tpu:7", "not a device name (use cpu, cuda or cuda:N)"), ("meta", "layerwise runs on cpu and cuda devices")],
+)
+def test_other_devices_are_refused_up_front(ckpt, device, words):
+    with pytest.raises(layerwise.DeviceError, match=re.escape(f"device {device!r}: {words}")):
+        layerwise.load_model(ckpt, device=device)
+
+
+def test_engine_from_pretrained_checks_the_device(cpu_only_torch, ckpt):
+    with pytest.raises(layerwise.DeviceError, match="no CUDA GPU is visible to torch"):
+        Engine.from_pretrained(ckpt, device="cuda")
