@@ -71,3 +71,40 @@ def test_other_devices_are_refused_up_front(ckpt, device, words):
 def test_engine_from_pretrained_checks_the_device(cpu_only_torch, ckpt):
     with pytest.raises(layerwise.DeviceError, match="no CUDA GPU is visible to torch"):
         Engine.from_pretrained(ckpt, device="cuda")
+
+
+# ---- 2. the forward checks its input ids
+
+
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        (
+            torch.tensor([1, 2, 3]),
+            "input_ids must be a 2-D integer tensor [batch, seq] (int64 or int32), got torch.int64 of shape (3,); "
+            "for one sequence pass input_ids[None]",
+        ),
+        (
+            torch.ones(1, 3),
+            "input_ids must be a 2-D integer tensor [batch, seq] (int64 or int32), got torch.float32 of shape (1, 3)",
+        ),
+        (
+            torch.tensor([[1, 64]]),
+            "input_ids holds token id 64, outside the vocabulary [0, 64) (vocab_size of config.json)",
+        ),
+        (
+            torch.tensor([[-1, 3]]),
+            "input_ids holds token id -1, outside the vocabulary [0, 64) (vocab_size of config.json)",
+        ),
+        ([[1, 2]], "input_ids must be a 2-D integer tensor [batch, seq], got a list"),
+    ],
+)
+def test_forward_refuses_bad_ids_with_what_it_expects(model, ids, message):
+    with pytest.raises(ValueError) as e:
+        model(ids)
+    assert str(e.value) == message
+
+
+def test_forward_takes_int32_and_the_vocabulary_edges(model):
+    ids = torch.tensor([[0, 63]])
+    torch.testing.assert_close(model(ids.int()), model(ids), rtol=0, atol=0)
