@@ -108,3 +108,99 @@ def test_forward_refuses_bad_ids_with_what_it_expects(model, ids, message):
 def test_forward_takes_int32_and_the_vocabulary_edges(model):
     ids = torch.tensor([[0, 63]])
     torch.testing.assert_close(model(ids.int()), model(ids), rtol=0, atol=0)
+
+
+# ---- 3. a checkpoint in another format names the files and the conversion
+
+
+def _config_only(path):
+    path.mkdir()
+    (path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    return path
+
+
+def test_pytorch_bin_checkpoint_names_the_file_and_the_conversion(tmp_path):
+    path = _config_only(tmp_path / "bin")
+    torch.save({"lm_head.weight": torch.zeros(2, 2)}, path / "pytorch_model.bin")
+    with pytest.raises(layerwise.CheckpointError) as e:
+        layerwise.load_model(path)
+    assert e.value.file == str(path)
+    assert str(e.value) == (
+        f"no model.safetensors or model.safetensors.index.json in {path}; it holds pytorch_model.bin: PyTorch "
+        f"pickle weights, which layerwise does not read (safetensors only). Convert them once: "
+        f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r}, torch_dtype='auto').save_pretrained(OUT, "
+        f"safe_serialization=True), or for a plain state dict safetensors.torch.save_file(torch.load("
+        f"{str(path / 'pytorch_model.bin')!r}, weights_only=True), 'OUT/model.safetensors') next to a copy of "
+        f"config.json; then pass OUT (file {path})"
+    )
+
+
+def test_pt_and_pth_files_are_named_together(tmp_path):
+    path = _config_only(tmp_path / "pt")
+    for name in ("consolidated.00.pth", "model.pt"):
+        (path / name).write_bytes(b"")
+    with pytest.raises(layerwise.CheckpointError, match=r"it holds consolidated\.00\.pth, model\.pt: PyTorch pickle"):
+        layerwise.load_model(path)
+
+
+def test_gguf_without_config_names_the_gguf_conversion(tmp_path):
+    path = tmp_path / "gguf"
+    path.mkdir()
+    (path / "qwen3-8b-q4_k_m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(layerwise.CheckpointError) as e:
+        layerwise.load_model(path)
+    assert str(e.value) == (
+        f"config.json is missing in {path}; it holds qwen3-8b-q4_k_m.gguf: GGUF weights, which layerwise does not "
+        f"read (safetensors only). transformers reads GGUF: transformers.AutoModelForCausalLM.from_pretrained("
+        f"{str(path)!r}, gguf_file='qwen3-8b-q4_k_m.gguf', torch_dtype=torch.bfloat16).save_pretrained(OUT, "
+        f"safe_serialization=True) writes config.json and safetensors (a quantized GGUF is dequantized); then pass "
+        f"OUT (file {path / 'config.json'})"
+    )
+
+
+def test_safetensors_under_another_name_says_what_is_read(tmp_path):
+    path = _config_only(tmp_path / "renamed")
+    (path / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(layerwise.CheckpointError) as e:
+        layerwise.load_model(path)
+    assert (
+        "it holds weights.safetensors: layerwise reads model.safetensors, or the shards that "
+        "model.safetensors.index.json lists; rename a single file to model.safetensors" in str(e.value)
+    )
+
+
+def test_empty_directory_says_it_holds_no_weights(tmp_path):
+    path = _config_only(tmp_path / "empty")
+    with pytest.raises(layerwise.CheckpointError) as e:
+        layerwise.load_model(path)
+    assert str(e.value) == f"no model.safetensors or model.safetensors.index.json in {path}; no weights (file {path})"
+
+
+# ---- 4. a hub id is not downloaded: say how to get a directory
+
+
+def test_hub_id_says_how_to_download_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(layerwise.CheckpointError) as e:
+        layerwise.load_model("Qwen/Qwen3-8B")
+    assert str(e.value) == (
+        "checkpoint directory Qwen/Qwen3-8B: no such directory; if Qwen/Qwen3-8B is a Hugging Face hub id: "
+        "layerwise reads local directories and downloads nothing. Download it first (huggingface-cli download "
+        "Qwen/Qwen3-8B --local-dir DIR, or huggingface_hub.snapshot_download('Qwen/Qwen3-8B', local_dir=DIR)), then "
+        "pass DIR (file Qwen/Qwen3-8B)"
+    )
+
+
+def test_a_missing_absolute_path_is_no_hub_id(tmp_path):
+    with pytest.raises(layerwise.CheckpointError) as e:
+        layerwise.load_model(tmp_path / "a" / "b")
+    assert "hub id" not in str(e.value)
+    assert f"checkpoint directory {tmp_path / 'a' / 'b'}: no such directory; give a directory with config.json" in str(
+        e.value
+    )
+
+
+def test_reload_from_a_hub_id_says_the_same(model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(layerwise.ReloadError, match="huggingface-cli download Qwen/Qwen3-8B --local-dir DIR"):
+        layerwise.reload_weights(model, "Qwen/Qwen3-8B")
