@@ -204,3 +204,52 @@ def test_reload_from_a_hub_id_says_the_same(model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(layerwise.ReloadError, match="huggingface-cli download Qwen/Qwen3-8B --local-dir DIR"):
         layerwise.reload_weights(model, "Qwen/Qwen3-8B")
+
+
+# ---- 5. an unknown scheme suggests the nearest one
+
+
+@pytest.mark.parametrize(
+    "scheme,message",
+    [
+        (
+            "int8",
+            "unknown quantization 'int8'; did you mean 'torchao:Int8WeightOnlyConfig'? choose one of: "
+            "fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block, torchao:<Config>, none",
+        ),
+        (
+            "fp8_per_block",
+            "unknown quantization 'fp8_per_block'; did you mean 'fp8-per-block'? choose one of: "
+            "fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block, torchao:<Config>, none",
+        ),
+        (
+            "torchoa:Float8WeightOnlyConfig",
+            "unknown quantization 'torchoa:Float8WeightOnlyConfig'; did you mean 'torchao:Float8WeightOnlyConfig'? "
+            "choose one of: fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block, torchao:<Config>, none",
+        ),
+        (
+            "fp8_e5m2",
+            "unknown quantization 'fp8_e5m2': FP8 weights here are float8_e4m3fn (e4m3), the only FP8 format; "
+            "use one of fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block",
+        ),
+        (
+            "E5M2",
+            "unknown quantization 'E5M2': FP8 weights here are float8_e4m3fn (e4m3), the only FP8 format; "
+            "use one of fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block",
+        ),
+        (
+            "gptq",
+            "unknown quantization 'gptq'; choose one of: "
+            "fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block, torchao:<Config>, none",
+        ),
+    ],
+)
+def test_unknown_scheme_suggests_the_nearest(ckpt, scheme, message):
+    with pytest.raises(ValueError) as e:
+        layerwise.load_model(ckpt, quantization=scheme)
+    assert str(e.value) == message
+
+
+def test_the_int8_suggestion_loads(ckpt):
+    model = layerwise.load_model(ckpt, quantization="torchao:Int8WeightOnlyConfig")
+    assert model(torch.tensor([[1, 2]])).shape == (1, 2, 64)
