@@ -2,12 +2,15 @@
 cannot embed, a checkpoint in another format, a hub id, a scheme name from another tool, a missing extra."""
 
 import re
+import sys
 
 import pytest
 import torch
 
 import layerwise
+from layerwise import optional
 from layerwise.api import resolve_device
+from layerwise.benchmarks.options import require
 from layerwise.demo import write_checkpoint
 from layerwise.engine import Engine
 from tests.test_errors import TINY
@@ -253,3 +256,36 @@ def test_unknown_scheme_suggests_the_nearest(ckpt, scheme, message):
 def test_the_int8_suggestion_loads(ckpt):
     model = layerwise.load_model(ckpt, quantization="torchao:Int8WeightOnlyConfig")
     assert model(torch.tensor([[1, 2]])).shape == (1, 2, 64)
+
+
+# ---- 6. a missing extra names only what is missing
+
+
+def test_missing_extra_names_only_the_missing_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError, as if not installed
+    with pytest.raises(layerwise.MissingDependencyError) as e:
+        require(["transformers", "matplotlib", "torchao"])
+    assert str(e.value) == (
+        "layerwise bench needs matplotlib, which is not installed. Install it: pip install 'matplotlib>=3.7'; "
+        "from a source checkout, the whole extra: pip install -e '.[bench]'"
+    )
+
+
+def test_two_missing_packages_are_named_together(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    with pytest.raises(layerwise.MissingDependencyError) as e:
+        optional.require(["transformers", "matplotlib", "accelerate.utils"], extra="bench", purpose="the plot")
+    assert str(e.value) == (
+        "the plot needs matplotlib and accelerate, which are not installed. Install them: pip install "
+        "'matplotlib>=3.7' 'accelerate>=1.0'; from a source checkout, the whole extra: pip install -e '.[bench]'"
+    )
+
+
+def test_import_optional_names_its_package(monkeypatch):
+    for name in ("torchao", "torchao.quantization"):  # an earlier test may have imported them
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(layerwise.MissingDependencyError) as e:
+        optional.import_optional("torchao.quantization", extra="torchao", purpose="quantization='torchao:...'")
+    assert str(e.value).startswith("quantization='torchao:...' needs torchao, which is not installed. Install it: ")
+    assert "pip install 'torchao>=0.10';" in str(e.value)
