@@ -1,6 +1,5 @@
 """layerwise: load BF16 Hugging Face checkpoints as FP8 layer by layer, and hot-reload them in place."""
 
-from layerwise.api import LoadReport, ReloadReport, load_model, load_model_with_report, reload_weights
 from layerwise.errors import (
     CheckpointError,
     ConfigError,
@@ -18,6 +17,9 @@ from layerwise.errors import (
 )
 
 __version__ = "0.1.0"
+
+# imported from layerwise.api at first use (PEP 562): ``import layerwise`` (and the CLI's --help) imports no torch
+_API = ("LoadReport", "ReloadReport", "load_model", "load_model_with_report", "reload_weights")
 
 __all__ = [
     "CheckpointError",
@@ -39,3 +41,17 @@ __all__ = [
     "load_model_with_report",
     "reload_weights",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'layerwise' has no attribute {name!r}")
+    from layerwise import api
+
+    value = getattr(api, name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
