@@ -44,13 +44,20 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name not in _API:
-        raise AttributeError(f"module 'layerwise' has no attribute {name!r}")
-    from layerwise import api
+    """The API names from layerwise.api, and the submodules (``layerwise.checkpoint`` after ``import layerwise``,
+    as when this package imported the API eagerly), each imported at its first use."""
+    import importlib
 
-    value = getattr(api, name)
-    globals()[name] = value  # looked up once
-    return value
+    if name in _API:
+        value = getattr(importlib.import_module("layerwise.api"), name)
+        globals()[name] = value  # looked up once
+        return value
+    try:
+        return importlib.import_module(f"layerwise.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"layerwise.{name}":  # the submodule exists but imports something missing
+            raise
+        raise AttributeError(f"module 'layerwise' has no attribute {name!r}") from None
 
 
 def __dir__() -> list[str]:

@@ -42,6 +42,18 @@ def test_help_and_version_import_no_torch(argv):
     assert ("EXIT 0" if argv else "EXIT 2") in proc.stdout  # no command: a usage error, still without torch
 
 
+def test_the_package_imports_its_api_at_first_use():
+    script = (
+        "import sys, layerwise\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+        "from layerwise import load_model\n"
+        "print('ALL', all(getattr(layerwise, n, None) is not None for n in layerwise.__all__))\n"
+        "print('SUBMODULE', layerwise.checkpoint.Checkpoint.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == ["TORCH", "False", "ALL", "True", "SUBMODULE", "Checkpoint"]
+
+
 def test_help_lists_the_commands():
     proc = subprocess.run(
         [sys.executable, "-m", "layerwise.cli", "--help"], capture_output=True, text=True, timeout=120
