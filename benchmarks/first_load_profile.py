@@ -76,6 +76,7 @@ def worker(path: str, device: str, scheme: str, top: int = TOP):
     import pstats
 
     import layerwise
+    import layerwise.api  # noqa: F401  (layerwise imports its API at first use: import it here, not in the profile)
 
     device = torch.device(device)
 

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from layerwise.optional import import_optional
+from layerwise import optional
 
 DEFAULT_OUT_DIR = Path("layerwise-results")  # relative to the current working directory
 REFERENCE_DIR = "benchmarks/results"  # the committed results the README is generated from
@@ -74,13 +74,13 @@ def positive_int(text: str) -> int:
 
 
 def require(modules: list[str], purpose: str = "layerwise bench") -> None:
-    """Import each optional module now, before any work starts.
+    """Import each optional module now, before any work starts (:func:`layerwise.optional.require`).
 
     Raises:
-        MissingDependencyError: one is not installed; the message gives the pip line for the "bench" extra.
+        MissingDependencyError: some are not installed; the message names only those, with the pip line that
+            installs them (their bounds from the "bench" extra).
     """
-    for module in modules:
-        import_optional(module, extra="bench", purpose=purpose)
+    optional.require(modules, extra="bench", purpose=purpose)
 
 
 def write_json(result: dict, out_dir: Path, name: str) -> Path:

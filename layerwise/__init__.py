@@ -1,9 +1,9 @@
 """layerwise: load BF16 Hugging Face checkpoints as FP8 layer by layer, and hot-reload them in place."""
 
-from layerwise.api import LoadReport, ReloadReport, load_model, load_model_with_report, reload_weights
 from layerwise.errors import (
     CheckpointError,
     ConfigError,
+    DeviceError,
     DuplicateWeightError,
     LayerwiseError,
     MissingDependencyError,
@@ -18,9 +18,13 @@ from layerwise.errors import (
 
 __version__ = "0.1.0"
 
+# imported from layerwise.api at first use (PEP 562): ``import layerwise`` (and the CLI's --help) imports no torch
+_API = ("LoadReport", "ReloadReport", "load_model", "load_model_with_report", "reload_weights")
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "DeviceError",
     "DuplicateWeightError",
     "LayerwiseError",
     "LoadReport",
@@ -37,3 +41,24 @@ __all__ = [
     "load_model_with_report",
     "reload_weights",
 ]
+
+
+def __getattr__(name: str):
+    """The API names from layerwise.api, and the submodules (``layerwise.checkpoint`` after ``import layerwise``,
+    as when this package imported the API eagerly), each imported at its first use."""
+    import importlib
+
+    if name in _API:
+        value = getattr(importlib.import_module("layerwise.api"), name)
+        globals()[name] = value  # looked up once
+        return value
+    try:
+        return importlib.import_module(f"layerwise.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"layerwise.{name}":  # the submodule exists but imports something missing
+            raise
+        raise AttributeError(f"module 'layerwise' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

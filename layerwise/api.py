@@ -17,7 +17,7 @@ from layerwise.checkpoint import Checkpoint, group_name
 from layerwise.config import ModelConfig
 from layerwise.distributed import TPContext
 from layerwise.dtypes import parse_dtype
-from layerwise.errors import ConfigError, LayerwiseError, ReloadError, WeightShapeError
+from layerwise.errors import ConfigError, DeviceError, LayerwiseError, ReloadError, WeightShapeError
 from layerwise.kernels import resolve_kernel
 from layerwise.memory import DeviceMemoryTracker, tensor_bytes
 from layerwise.quant.config import QuantConfig
@@ -112,6 +112,39 @@ class _Progress:
             self.bar.close()
 
 
+def resolve_device(device: str | torch.device | int) -> torch.device:
+    """``device`` as a torch.device that layerwise can run on with this torch build and machine: cpu, or a CUDA
+    GPU that torch sees. Checked before anything is built or read (``load_model`` and the CLI's ``--device``).
+
+    Raises:
+        DeviceError: not a device name; a device type other than cpu and cuda; cuda with no CUDA GPU visible to
+            torch (the message names the torch version and whether the build has CUDA at all); a GPU index past
+            the visible ones.
+    """
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(device, f"not a device name (use cpu, cuda or cuda:N): {e}") from e
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise DeviceError(device, "layerwise runs on cpu and cuda devices")
+    if not torch.cuda.is_available():
+        if torch.version.cuda:
+            build = f"built for CUDA {torch.version.cuda}: check nvidia-smi and CUDA_VISIBLE_DEVICES"
+        else:
+            build = "a CPU-only build without CUDA"
+        raise DeviceError(
+            device,
+            f"no CUDA GPU is visible to torch (torch {torch.__version__}, {build}); use cpu, or a CUDA build of "
+            f"torch on a machine with a GPU",
+        )
+    count = torch.cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise DeviceError(device, f"only {count} CUDA device(s) visible: cuda:0 to cuda:{count - 1}")
+    return resolved
+
+
 def load_model_with_report(
     path: str | os.PathLike,
     quantization: str | None = "fp8",
@@ -132,11 +165,11 @@ def load_model_with_report(
             adds Python work to every tensor operation; with False, peak_bytes is reported as -1).
     """
     start = time.perf_counter()
+    device = resolve_device(device)
     tp = TPContext.of(tp_group)
     ckpt = Checkpoint(path)
     config = ModelConfig.from_dict(ckpt.config, ckpt.config_path)
     arch, model_cls = get_model_class(config, ckpt.config_path)
-    device = torch.device(device)
     params_dtype = parse_dtype(dtype) or config.dtype or torch.bfloat16
     amax_reduce = (lambda a: tp.all_reduce(a, "max")) if global_scales and tp.size > 1 else None
     quant_config = QuantConfig(quantization, resolve_kernel(kernel, device), fp8_mode, amax_reduce)
@@ -239,7 +272,9 @@ def load_model(
         UnsupportedArchitectureError: config.json names no supported architecture.
         UnexpectedWeightError / WeightShapeError / NonFiniteWeightError / MissingWeightError /
         DuplicateWeightError: a bad tensor; the error names the tensor key and file.
-        ValueError: an unknown scheme, dtype, kernel or fp8_mode.
+        DeviceError: ``device`` is not cpu or a CUDA GPU that this torch build sees (a CPU-only torch asked for
+            cuda names its version); raised before the checkpoint is opened (see :func:`resolve_device`).
+        ValueError: an unknown scheme (the message suggests the nearest one), dtype, kernel or fp8_mode.
         TensorParallelError: the model's sizes (attention heads, kv heads, intermediate size, FP8 blocks)
             do not split over tp_group; raised before any weight is read.
         MissingDependencyError: a torchao scheme without torchao.

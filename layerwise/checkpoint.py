@@ -44,6 +44,56 @@ _TORCH_DTYPES = {
 }
 
 
+# what a directory may hold instead of layerwise's safetensors layout, by file suffix, and what to do about it
+_TORCH_PICKLE = (
+    "PyTorch pickle weights, which layerwise does not read (safetensors only). Convert them once: "
+    "transformers.AutoModelForCausalLM.from_pretrained({dir!r}, torch_dtype='auto').save_pretrained(OUT, "
+    "safe_serialization=True), or for a plain state dict safetensors.torch.save_file(torch.load({path!r}, "
+    "weights_only=True), 'OUT/model.safetensors') next to a copy of config.json; then pass OUT"
+)
+_OTHER_LAYOUTS = {
+    ".safetensors": f"layerwise reads {SINGLE_FILE}, or the shards that {INDEX_FILE} lists; rename a single file "
+    f"to {SINGLE_FILE}",
+    ".bin": _TORCH_PICKLE,
+    ".pt": _TORCH_PICKLE,
+    ".pth": _TORCH_PICKLE,
+    ".gguf": "GGUF weights, which layerwise does not read (safetensors only). transformers reads GGUF: "
+    "transformers.AutoModelForCausalLM.from_pretrained({dir!r}, gguf_file={name!r}, torch_dtype=torch.bfloat16)"
+    ".save_pretrained(OUT, safe_serialization=True) writes config.json and safetensors (a quantized GGUF is "
+    "dequantized); then pass OUT",
+}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def missing_directory_reason(path: str) -> str:
+    """Why ``path``, which does not exist, is no checkpoint: "no such directory", and for a string shaped like a
+    Hugging Face hub id ("Qwen/Qwen3-8B": one slash) that hub ids are not downloaded and how to get a directory."""
+    if _HUB_ID.fullmatch(path):
+        return (
+            f"no such directory; if {path} is a Hugging Face hub id: layerwise reads local directories and downloads "
+            f"nothing. Download it first (huggingface-cli download {path} --local-dir DIR, or "
+            f"huggingface_hub.snapshot_download({path!r}, local_dir=DIR)), then pass DIR"
+        )
+    return "no such directory; give a directory with config.json and *.safetensors"
+
+
+def other_weight_files(path: str) -> str | None:
+    """The weight files directory ``path`` holds that layerwise does not read as they are (.bin, .pt, .pth, .gguf,
+    safetensors under other names), by format, each with what to do (the commands name ``path`` and its first
+    such file); None when it holds none."""
+    by_advice: dict[str, list[str]] = {}
+    for name in sorted(os.listdir(path)):
+        advice = _OTHER_LAYOUTS.get(os.path.splitext(name)[1].lower())
+        if advice is not None:
+            by_advice.setdefault(advice, []).append(name)
+    if not by_advice:
+        return None
+    return "; ".join(
+        f"it holds {', '.join(names)}: {advice.format(dir=path, name=names[0], path=os.path.join(path, names[0]))}"
+        for advice, names in by_advice.items()
+    )
+
+
 def decoder_layer(name: str) -> int | None:
     """The decoder-layer index i of a checkpoint key or module prefix with a ``layers.<i>`` component
     ("model.layers.3.mlp.up_proj.weight", "model.layers.3"), else None."""
@@ -175,9 +225,11 @@ class Checkpoint:
     Attributes:
         config: the parsed config.json (a dict); config_path: its path.
     Raises:
-        CheckpointError: not a directory, config.json missing, invalid JSON or not an object, no weights file,
-            a shard listed in index.json is absent (the message names the shard and one of its keys), a listed
-            key is not in its shard, or a tensor of a dtype not loaded here (U16, C64, ...; names key and file).
+        CheckpointError: not a directory (for a string shaped like a hub id: how to download it), config.json
+            missing, invalid JSON or not an object, no safetensors weights (these two name the .bin / .pt / .gguf
+            files found and the conversion they need), a shard listed in index.json is absent (the message names
+            the shard and one of its keys), a listed key is not in its shard, or a tensor of a dtype
+            not loaded here (U16, C64, ...; names key and file).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -189,10 +241,15 @@ class Checkpoint:
                 file=self.path,
             )
         if not os.path.isdir(self.path):
-            raise CheckpointError(f"checkpoint directory does not exist: {self.path}", file=self.path)
+            raise CheckpointError(
+                f"checkpoint directory {self.path}: {missing_directory_reason(self.path)}", file=self.path
+            )
         self.config_path = os.path.join(self.path, CONFIG_NAME)
         if not os.path.isfile(self.config_path):
-            raise CheckpointError(f"config.json is missing in {self.path}", file=self.config_path)
+            others = other_weight_files(self.path)
+            raise CheckpointError(
+                f"config.json is missing in {self.path}" + (f"; {others}" if others else ""), file=self.config_path
+            )
         try:
             with open(self.config_path) as f:
                 self.config: dict = json.load(f)
@@ -223,7 +280,10 @@ class Checkpoint:
             return weight_map
         single = os.path.join(self.path, SINGLE_FILE)
         if not os.path.isfile(single):
-            raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}", file=self.path)
+            raise CheckpointError(
+                f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}; {other_weight_files(self.path) or 'no weights'}",
+                file=self.path,
+            )
         return {key: SINGLE_FILE for key in self._open(SINGLE_FILE).keys()}
 
     def _open(self, shard: str):

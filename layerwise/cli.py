@@ -5,6 +5,14 @@ Expected errors (a bad path or option, a bad checkpoint, a missing optional pack
 one or two lines on stderr naming the file, tensor key or option and what to do, and exit with 2
 (usage: checked before anything is loaded) or 1 (the load or reload failed). ``--debug`` shows the
 traceback instead.
+
+``layerwise --help`` and ``layerwise --version`` import no torch: this module imports the load path (and so torch)
+only inside the commands, and a command's options are added to the parser only when that command runs (their
+choices come from modules that import torch).
+
+Logging: the CLI's handler prints the ``layerwise`` loggers' records as ``layerwise: ...``; other libraries'
+records (torchao, transformers, matplotlib) print only from WARNING up, under their own logger's name, so that
+they never read as ours (``--debug``: theirs from INFO up, ours from DEBUG up).
 """
 
 from __future__ import annotations
@@ -15,26 +23,34 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from layerwise.errors import DeviceError, LayerwiseError
 
-from layerwise.api import LoadReport, load_model_with_report
-from layerwise.checkpoint import CONFIG_NAME
-from layerwise.dtypes import parse_dtype
-from layerwise.errors import LayerwiseError
-from layerwise.kernels import KERNELS
-from layerwise.quant.config import parse_scheme, scheme_names
-from layerwise.quant.fp8 import FP8_MODES
+if TYPE_CHECKING:
+    from layerwise.api import LoadReport
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+DEVICE_HELP = "cpu (default), cuda or cuda:N"
+CACHE_DIR_HELP = "where the demo checkpoints are written (default: $LAYERWISE_CACHE or ~/.cache/layerwise)"
+TOKENS_HELP = "tokens to generate per prompt (default: 8)"
 
 
 class UsageError(Exception):
     """A command-line option that cannot work, found before loading (exit code 2)."""
 
 
+def load_model_with_report(*args, **kwargs):
+    """:func:`layerwise.api.load_model_with_report`, imported at the first load (the import brings torch)."""
+    from layerwise.api import load_model_with_report as load
+
+    return load(*args, **kwargs)
+
+
 def _scheme(text: str) -> str:
+    from layerwise.quant.config import parse_scheme
+
     try:
         name, argument = parse_scheme(text)
     except ValueError as e:
@@ -43,6 +59,8 @@ def _scheme(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
+    from layerwise.dtypes import parse_dtype
+
     try:
         parse_dtype(text)
     except ValueError as e:
@@ -82,6 +100,8 @@ def format_report(report: LoadReport) -> str:
 def _checkpoint_dir(path: str, option: str) -> str:
     """The checkpoint directory ``path`` names: a directory, or a file inside one (config.json,
     a shard), whose directory is then used."""
+    from layerwise.checkpoint import CONFIG_NAME, missing_directory_reason
+
     p = Path(path)
     if p.is_dir():
         return str(p)
@@ -92,28 +112,17 @@ def _checkpoint_dir(path: str, option: str) -> str:
         raise UsageError(
             f"{option} {path} is a file, not a checkpoint directory (one with config.json and *.safetensors)"
         )
-    raise UsageError(
-        f"{option} {path}: no such directory; give a checkpoint directory with config.json and *.safetensors"
-    )
+    raise UsageError(f"{option} {path}: {missing_directory_reason(path)}")
 
 
-def _device(text: str) -> torch.device:
+def _device(text: str) -> None:
+    """Check ``--device`` before anything is loaded (:func:`layerwise.api.resolve_device`, as the API does)."""
+    from layerwise.api import resolve_device
+
     try:
-        device = torch.device(text)
-    except RuntimeError as e:
-        raise UsageError(f"--device {text!r} is not a device name (use cpu, cuda or cuda:N): {e}") from e
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
-            raise UsageError(
-                f"--device {text}: no CUDA GPU is visible to torch ({build}); use --device cpu, or "
-                f"install a CUDA build of torch on a machine with a GPU"
-            )
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    elif device.type != "cpu":
-        raise UsageError(f"--device {text}: layerwise runs on cpu and cuda devices")
-    return device
+        resolve_device(text)
+    except DeviceError as e:
+        raise UsageError(f"--device {text}: {e.reason}") from e
 
 
 def _report_file(path: str | None) -> None:
@@ -231,24 +240,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n{self.prog}: see '{self.prog} --help'\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``layerwise`` argument parser: commands load, demo, reload, sync-demo and bench."""
-    from layerwise.sync_demo import DEFAULT_TIMEOUT_SECONDS
+def _load_options(load: argparse.ArgumentParser) -> None:
+    from layerwise.kernels import KERNELS
+    from layerwise.quant.config import scheme_names
+    from layerwise.quant.fp8 import FP8_MODES
 
-    parser = _Parser(prog="layerwise", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    schemes = " | ".join(scheme_names())
-    load = sub.add_parser("load", help="load a checkpoint directory and print a memory/time summary")
     load.add_argument("path", help="directory with config.json and *.safetensors")
     load.add_argument(
         "--quantization",
         default="fp8",
         type=_scheme,
         metavar="SCHEME",
-        help=f"{schemes} (case-insensitive; default fp8)",
+        help=f"{' | '.join(scheme_names())} (case-insensitive; default fp8)",
     )
-    load.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    load.add_argument("--device", default="cpu", help=DEVICE_HELP)
     load.add_argument("--dtype", default=None, type=_dtype, help="bfloat16 | float16 | float32 (default: config.json)")
     load.add_argument(
         "--kernel",
@@ -256,33 +261,41 @@ def build_parser() -> argparse.ArgumentParser:
         choices=KERNELS,
         help="FP8 quantization kernels (default: triton on cuda, torch on cpu)",
     )
-    load.add_argument("--fp8-mode", default="auto", choices=FP8_MODES)
-    load.add_argument("--report", default=None, metavar="FILE.json", help="write the summary as JSON")
-    load.set_defaults(func=_load)
-    demo = sub.add_parser("demo", help="generate a small BF16 Qwen3 checkpoint, load it as FP8, generate")
-    demo.add_argument("--device", default="cpu")
-    demo.add_argument(
-        "--cache-dir",
-        default=None,
-        help="where the demo checkpoint is written (default: $LAYERWISE_CACHE or ~/.cache/layerwise)",
+    load.add_argument(
+        "--fp8-mode",
+        default="auto",
+        choices=FP8_MODES,
+        help="forward of FP8 layers: auto (W8A8 on CUDA sm89+, W8A16 elsewhere; default), w8a8 (FP8 activations "
+        "too) or w8a16 (dequantize, then matmul)",
     )
-    demo.add_argument("--tokens", type=int, default=8)
-    demo.set_defaults(func=_demo)
-    reload = sub.add_parser("reload", help="load A, generate, hot-reload B in place, generate, compare with B")
+    load.add_argument("--report", default=None, metavar="FILE.json", help="write the summary as JSON")
+
+
+def _demo_options(demo: argparse.ArgumentParser) -> None:
+    demo.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    demo.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
+    demo.add_argument("--tokens", type=int, default=8, help=TOKENS_HELP)
+
+
+def _reload_options(reload: argparse.ArgumentParser) -> None:
+    from layerwise.quant.config import scheme_names
+
     reload.add_argument("path_a", nargs="?", default=None, help="default: the demo checkpoint")
     reload.add_argument("path_b", nargs="?", default=None, help="default: the demo checkpoint with seed 1")
-    reload.add_argument("--quantization", default="fp8", type=_scheme, metavar="SCHEME", help=schemes)
-    reload.add_argument("--device", default="cpu")
-    reload.add_argument("--cache-dir", default=None)
-    reload.add_argument("--tokens", type=int, default=8)
-    reload.set_defaults(func=_reload)
-    sync = sub.add_parser(
-        "sync-demo",
-        help="a trainer process takes one optimizer step and sends its weights into a live FP8 engine",
+    reload.add_argument(
+        "--quantization", default="fp8", type=_scheme, metavar="SCHEME", help=" | ".join(scheme_names())
     )
+    reload.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    reload.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
+    reload.add_argument("--tokens", type=int, default=8, help=TOKENS_HELP)
+
+
+def _sync_demo_options(sync: argparse.ArgumentParser) -> None:
+    from layerwise.sync_demo import DEFAULT_TIMEOUT_SECONDS
+
     sync.add_argument("path", nargs="?", default=None, help="default: the demo checkpoint")
-    sync.add_argument("--cache-dir", default=None)
-    sync.add_argument("--tokens", type=int, default=8)
+    sync.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
+    sync.add_argument("--tokens", type=int, default=8, help=TOKENS_HELP)
     sync.add_argument(
         "--timeout",
         type=float,
@@ -290,7 +303,53 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"bound on every wait (default {DEFAULT_TIMEOUT_SECONDS:g})",
     )
-    sync.set_defaults(func=_sync_demo)
+
+
+#: command -> (one line for ``layerwise --help``, the function adding its options, the function running it)
+COMMANDS = {
+    "load": ("load a checkpoint directory and print a memory/time summary", _load_options, _load),
+    "demo": ("generate a small BF16 Qwen3 checkpoint, load it as FP8, generate", _demo_options, _demo),
+    "reload": ("load A, generate, hot-reload B in place, generate, compare with B", _reload_options, _reload),
+    "sync-demo": (
+        "a trainer process takes one optimizer step and sends its weights into a live FP8 engine",
+        _sync_demo_options,
+        _sync_demo,
+    ),
+}
+
+
+def version() -> str:
+    """The installed distribution's version (importlib.metadata), else ``layerwise.__version__`` (a source tree
+    that was never installed). Imports no torch."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("layerwise")
+    except metadata.PackageNotFoundError:
+        from layerwise import __version__
+
+        return __version__
+
+
+def build_parser(options_of: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """The ``layerwise`` argument parser: commands load, demo, reload, sync-demo and bench.
+
+    Args:
+        options_of: the commands whose options are added (default: every command's). :func:`main` adds only the
+            command it runs: the options' choices (schemes, kernels) come from modules that import torch, and
+            ``layerwise --help`` lists the commands alone.
+    """
+    parser = _Parser(prog="layerwise", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"layerwise {version()}", help="print the version")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="see 'layerwise COMMAND --help' for its options"
+    )
+    for name, (summary, add_options, run) in COMMANDS.items():
+        command = sub.add_parser(name, help=summary, description=summary)
+        if options_of is None or name in options_of:
+            add_options(command)
+        command.set_defaults(func=run)
     sub.add_parser("bench", help="peak-memory and load-time benchmark (layerwise bench --help)", add_help=False)
     return parser
 
@@ -302,18 +361,57 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to ``sys.stderr`` as it is when a record is emitted (not when the handler was made: the
+    CLI may run in a process whose stderr is swapped later, as pytest's capture does)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def setup_logging(debug: bool = False) -> None:
+    """Print the ``layerwise`` loggers' records as ``layerwise: message`` (INFO up; DEBUG up with ``debug``), and
+    other libraries' records under their own logger's name, WARNING up (INFO up with ``debug``). Calling it again
+    replaces what an earlier call installed."""
+    ours, root = logging.getLogger("layerwise"), logging.getLogger()
+    for logger in (ours, root):
+        for handler in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
+            logger.removeHandler(handler)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("layerwise: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.DEBUG if debug else logging.INFO)
+    theirs = _StderrHandler(logging.INFO if debug else logging.WARNING)
+    theirs.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    theirs.addFilter(lambda record: record.name.partition(".")[0] != "layerwise")  # ours printed them already
+    root.addHandler(theirs)
+    if debug:
+        root.setLevel(logging.INFO)
+
+
+def _out_of_memory(e: Exception) -> bool:
+    torch = sys.modules.get("torch")  # not imported: the error cannot be torch's
+    return torch is not None and isinstance(e, torch.cuda.OutOfMemoryError)
+
+
 def main(argv=None) -> int:
     """Run the CLI; returns the exit code (0, 1 for a failed load/reload, 2 for a usage error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    logging.basicConfig(level=logging.INFO, format="layerwise: %(message)s")  # one-time compile notices
+    setup_logging(debug)
     try:
         if argv[:1] == ["bench"]:  # the benchmark owns its arguments
             from layerwise.benchmarks.peak_memory import main as bench_main
 
             return bench_main(argv[1:])
-        args = build_parser().parse_args(argv)  # argparse prints usage + one line and exits 2
+        command = next((a for a in argv if not a.startswith("-")), None)
+        args = build_parser(options_of=(command,) if command else ()).parse_args(argv)  # argparse: exit 2
         return args.func(args)
     except UsageError as e:
         if debug:
@@ -323,16 +421,14 @@ def main(argv=None) -> int:
         if debug:
             raise
         return _fail(str(e), EXIT_FAILED)
-    except torch.cuda.OutOfMemoryError as e:  # torch.OutOfMemoryError: the device, not a bug
-        if debug:
-            raise
-        first = str(e).split(". ")[0]  # "CUDA out of memory", without the allocator's advice that follows
-        return _fail(f"out of device memory ({first}); a smaller model or another device", EXIT_FAILED)
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # a bug: still no traceback unless asked for
+    except Exception as e:  # torch's out of memory (the device, not a bug), or a bug: no traceback unless asked for
         if debug:
             raise
+        if _out_of_memory(e):
+            first = str(e).split(". ")[0]  # "CUDA out of memory", without the allocator's advice that follows
+            return _fail(f"out of device memory ({first}); a smaller model or another device", EXIT_FAILED)
         return _fail(f"unexpected {type(e).__name__}: {e} (please report it)", EXIT_FAILED)
 
 

@@ -134,6 +134,18 @@ class MissingDependencyError(LayerwiseError, ImportError):
     (see :func:`layerwise.optional.import_optional`)."""
 
 
+class DeviceError(LayerwiseError, ValueError):
+    """The target device is unusable with this torch build or machine: not a device name, a device type layerwise
+    does not run on, CUDA on a torch without CUDA or without a visible GPU, or a GPU index past the visible ones.
+    Raised before anything is built or read (:func:`layerwise.api.resolve_device`). ``device`` is the device as
+    given, ``reason`` what is wrong with it and what to do (the CLI prints it after its ``--device`` option)."""
+
+    def __init__(self, device, reason: str):
+        super().__init__(f"device {str(device)!r}: {reason}")
+        self.device = device
+        self.reason = reason
+
+
 class TensorParallelError(LayerwiseError, ValueError):
     """A model cannot be sharded over the given tensor-parallel group (sizes that do not divide),
     or the group is unusable. Raised while the model is built, before any weight is read."""

@@ -8,6 +8,7 @@ handler); :func:`parse_scheme` turns a user's string into the canonical scheme o
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,18 +68,44 @@ def scheme_names() -> list[str]:
     return [f"{n}:<{_SCHEMES[c].help.split()[0]}>" if _SCHEMES[c].takes_argument else n for n, c in _ALIASES.items()]
 
 
+#: names other tools give a scheme (vLLM's, transformers') -> the scheme of layerwise that does the same
+_FOREIGN_NAMES = {"int8": "torchao:Int8WeightOnlyConfig"}
+
+
+def unknown_scheme_message(text: str) -> str:
+    """Why ``text`` is no scheme and what to write instead: the nearest accepted name ("int8": torchao's
+    Int8WeightOnlyConfig; otherwise difflib over the accepted names) and the accepted names, or for an e5m2
+    format that e4m3 is the only FP8 format, with the FP8 schemes."""
+    head, _, argument = text.strip().partition(":")
+    if "e5m2" in head.lower():
+        fp8 = ", ".join(n for n in scheme_names() if n.startswith("fp8"))
+        return (
+            f"unknown quantization {text!r}: FP8 weights here are float8_e4m3fn (e4m3), the only FP8 format; "
+            f"use one of {fp8}"
+        )
+    message = f"unknown quantization {text!r}; "
+    near = difflib.get_close_matches(head.lower(), [*_ALIASES, *_FOREIGN_NAMES], n=1)
+    if near:
+        name = _FOREIGN_NAMES.get(near[0], near[0])
+        if name in _SCHEMES and _SCHEMES[name].takes_argument:
+            name += f":{argument or '<' + _SCHEMES[name].help.split()[0] + '>'}"
+        message += f"did you mean {name!r}? "
+    return message + f"choose one of: {', '.join(scheme_names())}"
+
+
 def parse_scheme(text: str | None) -> tuple[str, str | None]:
     """(canonical scheme name, argument) from a user's scheme string; None means "none".
 
     Raises:
-        ValueError: an unknown name, a missing or unexpected ":ARG"; the message lists the accepted names.
+        ValueError: an unknown name (the message suggests the nearest one, see :func:`unknown_scheme_message`, and lists
+            the accepted names), a missing or unexpected ":ARG".
     """
     if text is None:
         return "none", None
     head, sep, argument = str(text).strip().partition(":")
     canonical = _ALIASES.get(head.lower())
     if canonical is None:
-        raise ValueError(f"unknown quantization {text!r}; choose one of: {', '.join(scheme_names())}")
+        raise ValueError(unknown_scheme_message(str(text)))
     scheme = _SCHEMES[canonical]
     if scheme.takes_argument and not argument:
         raise ValueError(f"quantization {text!r} needs an argument: {canonical}:<{scheme.help.split()[0]}>")

@@ -12,6 +12,8 @@ from layerwise.distributed import NO_TP, TPContext
 from layerwise.quant.config import QuantConfig
 from layerwise.routing import load_weights
 
+_ID_DTYPES = (torch.int64, torch.int32)  # what torch.nn.functional.embedding takes
+
 
 class CausalLM(nn.Module):
     """Base of the ``*ForCausalLM`` models.
@@ -60,6 +62,36 @@ class CausalLM(nn.Module):
         """Route (checkpoint key, tensor) pairs to the parameters' weight loaders (see layerwise/routing.py)."""
         return load_weights(self, weights, skip=self.skip_checkpoint_key)
 
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """Refuse ids the embedding would fail on with an IndexError deep inside (or, on CUDA, a device-side assert).
+
+        The shape and dtype are checked on every device (tensor metadata: no work, safe inside a CUDA graph
+        capture). The range [0, vocab_size) is checked on CPU tensors only, with one min/max reduction: on another
+        device it would read the result back to the host, a synchronization in every decode step that a CUDA graph
+        capture also forbids (:meth:`layerwise.engine.Engine.generate` checks its prompts on the host instead).
+
+        Raises:
+            ValueError: not a 2-D int64 / int32 tensor [batch, seq] (names the dtype and shape), or an id outside
+                [0, vocab_size) (names the id and the vocabulary size).
+        """
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"input_ids must be a 2-D integer tensor [batch, seq], got a {type(input_ids).__name__}")
+        if input_ids.dim() != 2 or input_ids.dtype not in _ID_DTYPES:
+            one_sequence = "; for one sequence pass input_ids[None]" if input_ids.dim() == 1 else ""
+            raise ValueError(
+                f"input_ids must be a 2-D integer tensor [batch, seq] (int64 or int32), got {input_ids.dtype} of "
+                f"shape {tuple(input_ids.shape)}{one_sequence}"
+            )
+        if input_ids.device.type != "cpu" or input_ids.numel() == 0:
+            return
+        low, high = (int(x) for x in torch.aminmax(input_ids))
+        vocab = self.config.vocab_size
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary [0, {vocab}) "
+                f"(vocab_size of config.json)"
+            )
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, kv_caches: list | None = None
     ) -> torch.Tensor:
@@ -73,7 +105,11 @@ class CausalLM(nn.Module):
                 covers cached positions <= each token's own (see layers/attention.py).
         Returns:
             logits [B, T, vocab] in the parameters' dtype, the full vocabulary on every rank.
+        Raises:
+            ValueError: ``input_ids`` is not a 2-D int64 / int32 tensor, or (on the CPU) holds an id outside
+                [0, vocab_size); see :meth:`check_input_ids`.
         """
+        self.check_input_ids(input_ids)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         hidden = self.model(input_ids, positions, kv_caches)
