@@ -1,3 +1,5 @@
+from collections import Counter
+
 import pytest
 
 from tests.hf_checkpoints import write_hf_checkpoint
@@ -34,3 +36,19 @@ def qwen3_pair(tmp_path_factory):
         write_hf_checkpoint(root / "a", "Qwen3ForCausalLM", seed=0, num_layers=3),
         write_hf_checkpoint(root / "b", "Qwen3ForCausalLM", seed=1, num_layers=3),
     )
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line that says why tests were skipped, grouped by reason (most skips here need a CUDA GPU), so a few
+    hundred "s" do not read as gaps; `-rs` still lists them one by one."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped:
+        reasons = Counter(_skip_reason(r) for r in skipped)
+        grouped = "; ".join(f"{n} {reason}" for reason, n in reasons.most_common())
+        terminalreporter.write_line(f"{len(skipped)} skipped: {grouped}")
