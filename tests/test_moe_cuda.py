@@ -54,6 +54,10 @@ def test_cuda_forward_close_to_transformers(pair, scheme, fp8_mode):
 # count (bf16 rounding); per-tensor W8A8 scales activations over all rows instead of the expert's rows, which
 # measured 27.0..39.4 dB on the CPU with the same tiny models (and moved 1 greedy token in 14 once).
 CAPTURE_SQNR_DB = {"none": 40.0, "fp8-per-tensor": 25.0, "fp8-per-channel": 35.0, "fp8-per-block": 35.0}
+# One FusedMoE layer's output (no residual stream or norms to dilute it): per-tensor W8A8 rounds the activations
+# twice independently (scale over the expert's rows, then over all rows), so its noise is the sum of two e4m3
+# roundings; an H200 measured 24.7 dB (2026-11-27, seed 0). The other schemes' rows are computed independently.
+LAYER_CAPTURE_SQNR_DB = dict(CAPTURE_SQNR_DB, **{"fp8-per-tensor": 22.0})
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -128,7 +132,7 @@ def test_captured_moe_holds_activations_not_gathered_experts(scheme):
     print(f"{scheme}: capture peak {peak} bytes, gathered form {gathered} bytes")
     assert peak <= gathered // 8
     db = sqnr_db(eager.float().cpu(), captured.float().cpu())
-    assert db >= CAPTURE_SQNR_DB[scheme], f"{scheme}: captured vs eager {db:.1f} dB"
+    assert db >= LAYER_CAPTURE_SQNR_DB[scheme], f"{scheme}: captured vs eager {db:.1f} dB"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES[1:])
