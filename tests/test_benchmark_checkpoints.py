@@ -103,6 +103,7 @@ def environment(names: list[str]):
     yield {name: os.environ.get(name) for name in names}
 
 
+@pytest.mark.slow
 def test_run_worker_sets_each_pages_regime_in_the_worker_only(monkeypatch):
     import os
     from pathlib import Path
@@ -121,6 +122,7 @@ def test_run_worker_sets_each_pages_regime_in_the_worker_only(monkeypatch):
     assert dict(os.environ) == before  # this process is left as it was
 
 
+@pytest.mark.slow
 def test_run_worker_keeps_the_rows_of_a_worker_that_times_out_or_fails(monkeypatch):
     from pathlib import Path
 

@@ -13,6 +13,7 @@ from layerwise.benchmarks import weight_transfer
 CASES = ["floor: unpacked", "floor: packed", "update: unpacked", "update: packed"]
 
 
+@pytest.mark.slow
 def test_small_run_writes_json_with_every_case_verified(tmp_path):
     threads = torch.get_num_threads()
     out = tmp_path / "out"

@@ -45,6 +45,7 @@ def _check_provenance(result: dict, device: str, size: str | None) -> None:
         assert result["shape"]["hidden_size"] == checkpoints.SIZES[size]["hidden_size"]
 
 
+@pytest.mark.slow
 def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "cache"))
@@ -94,6 +95,7 @@ def test_peak_memory_small_defaults_write_to_cwd_not_the_reference_results(tmp_p
     assert rows["naive-bf16-then-fp8"]["peak_bytes"] > rows["layerwise-fp8-per-tensor"]["peak_bytes"]
 
 
+@pytest.mark.slow
 def test_reload_latency_small_writes_json_to_out_dir_and_reuses_the_checkpoint(tmp_path):
     assert (
         reload_latency.main(
@@ -268,6 +270,7 @@ def test_readme_headline_follows_a_changed_figure(tmp_path):
     assert f"{data['date'][:10]}, commit {data['commit']}" in after
 
 
+@pytest.mark.slow
 def test_tp_load_small_reads_a_share_per_rank(tmp_path):
     from layerwise.benchmarks import tp_load
 
@@ -282,6 +285,7 @@ def test_tp_load_small_reads_a_share_per_rank(tmp_path):
         assert rank["model_bytes"] < 0.55 * runs[1][0]["model_bytes"] and rank["peak_bytes"] >= rank["model_bytes"]
 
 
+@pytest.mark.slow
 def test_decode_step_small_median_ms_and_ratio_to_bf16(tmp_path):
     from layerwise.benchmarks import decode_step
 
@@ -329,6 +333,7 @@ def test_step_profile_categories_of_real_kernel_names():
     assert {name: category(name) for name in names} == names
 
 
+@pytest.mark.slow
 def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_path, monkeypatch):
     """The suite driver on a tiny checkpoint, as if torchao were not installed: every JSON written, the
     torchao parts and the GPU-only part recorded as skipped, the issue's ratios as explicit fields; then the
@@ -431,6 +436,7 @@ def test_a_torchao_schemes_first_load_cost_is_judged_without_torchaos_own_import
     assert f"| first - second load less torchao's own import, seconds | {torchao} | 0.15 | 1 | yes |" in table
 
 
+@pytest.mark.slow
 def test_first_load_profile_small(tmp_path):
     from layerwise.benchmarks import first_load_profile
 

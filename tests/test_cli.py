@@ -44,6 +44,7 @@ def test_unknown_quantization_is_rejected(hf_checkpoint):
         main(["load", str(hf_checkpoint[1]), "--quantization", "int3"])
 
 
+@pytest.mark.slow
 def test_reload_command_shows_outputs_follow_b_in_place(tmp_path, capsys):
     assert main(["reload", "--cache-dir", str(tmp_path), "--tokens", "4"]) == 0
     out = capsys.readouterr().out

@@ -100,6 +100,7 @@ def test_tied_lm_head_is_the_embedding(hf_checkpoint):
         assert torch.equal(model.lm_head.weight, _checkpoint_tensor(ckpt, "lm_head.weight"))
 
 
+@pytest.mark.slow
 def test_triton_kernel_load_equals_torch_kernel_load(qwen3_8_layers):
     a = layerwise.load_model(qwen3_8_layers, quantization="fp8", kernel="torch")
     b = layerwise.load_model(qwen3_8_layers, quantization="fp8", kernel="triton")

@@ -89,6 +89,7 @@ def test_the_tuner_keeps_the_fastest_correct_candidate(monkeypatch, tmp_path):
     assert configs == {"w8a16": {f"{n},{k}": {8: list(TILES_INTERPRET)} for n, k in SMALL.values()}}
 
 
+@pytest.mark.slow
 def test_tuner_command_line(tmp_path, capsys):
     common = ["--device", "cpu", "--size", "small", "--out-dir", str(tmp_path)]
     gemm_tune.main([*common, "--m", "1", "--kinds", "w8a8-block"])
@@ -101,12 +102,14 @@ def test_tuner_command_line(tmp_path, capsys):
         assert exit_info.value.code == 2
 
 
+@pytest.mark.slow
 def test_the_tuner_times_only_the_defaults_past_its_budget():
     result = gemm_tune.tune("small", "cpu", ms=(8,), kinds=("w8a16",), budget=0)
     assert result["skipped_over_budget"] == len(SMALL)  # the one split candidate of each shape
     assert all(row["tiles"] == row["default_tiles"] and len(row["top"]) == 1 for row in result["best"])
 
 
+@pytest.mark.slow
 def test_the_budget_is_dealt_to_the_slices_and_cuts_a_candidate_on_every_shape(monkeypatch):
     # a fake clock that advances one second per timing: each slice (M, kind) gets budget / slices, and a
     # candidate past its slice's share is skipped on every projection, so all projections searched the same
@@ -154,6 +157,7 @@ def test_precompile_runs_every_candidate_side_by_side_on_cuda_only():
     assert calls == []
 
 
+@pytest.mark.slow
 def test_compiles_get_half_of_the_slice_at_most(monkeypatch):
     # past its deadline a slice times no candidate, compiled or not: the compiles stop halfway through its share
     seen = []
@@ -166,6 +170,7 @@ def test_compiles_get_half_of_the_slice_at_most(monkeypatch):
     assert seen == [110.0, 120.0]  # slices end at 120 and 140; each starts at 100 on the frozen clock
 
 
+@pytest.mark.slow
 def test_the_tuner_reports_after_every_slice(monkeypatch):
     # main writes the JSON (and the configurations) from each report: a run cut off keeps its finished slices
     monkeypatch.setattr(gemm_tune, "candidates", lambda kind, m, device, quick=False: [])  # the defaults only

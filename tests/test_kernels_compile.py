@@ -18,6 +18,8 @@ from layerwise.kernels.fp8_gemm import W8A8_TILES_CUDA, W8A16_TILES_CUDA  # noqa
 from layerwise.kernels.triton_common import LAUNCH_OPTIONS  # noqa: E402
 from layerwise.kernels.variants import CUDA_TARGETS, activation_variants, cuda_variants, gemm_variants  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the whole module (marker: pyproject.toml)
+
 VARIANTS = list(cuda_variants("i32")) + list(cuda_variants("i64"))
 ACT_VARIANTS = list(activation_variants("i32")) + list(activation_variants("i64"))
 GEMM_VARIANTS = list(gemm_variants())

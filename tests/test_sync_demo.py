@@ -20,6 +20,8 @@ from layerwise.cli import EXIT_FAILED, EXIT_USAGE, main
 from layerwise.demo import DEMO_CONFIG, write_checkpoint
 from layerwise.sync_demo import FAULT_ENV
 
+pytestmark = pytest.mark.slow  # the whole module (marker: pyproject.toml)
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]

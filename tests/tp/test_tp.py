@@ -169,6 +169,7 @@ def test_model_that_cannot_be_sharded_fails_before_loading(tp2, tmp_path):
         assert "num_attention_heads=3" in message and "tensor-parallel size 2" in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 def test_tp4_replicated_kv_heads_and_uneven_vocab(tp4, tmp_path, arch):
     """num_key_value_heads=2 at tp=4: each kv head on two ranks; vocab 130 padded to 132 (33 rows a rank).

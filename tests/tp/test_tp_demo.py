@@ -3,8 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.hf_checkpoints import write_hf_checkpoint
 from tests.transfer.harness import free_port
+
+pytestmark = pytest.mark.slow  # the whole module (marker: pyproject.toml)
 
 
 def test_torchrun_demo_matches_single_process(tmp_path):
