@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from layerwise.kernels import cpu_native
+
 _PACKAGES = ("torch", "triton", "transformers", "torchao", "safetensors")
 
 
@@ -93,6 +95,9 @@ def describe_machine(device: str) -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu": cpu_model(),
+        # the native CPU quantize's path: a table lookup per scale needs AVX-512 VBMI, else the generic loop (several
+        # times slower per element), so CPU load and reload figures are comparable only between equal paths
+        "cpu_fp8_table": cpu_native.table_path(),
     }
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

@@ -225,7 +225,9 @@ def quant_kernels_table(result: dict) -> str:
 
 def _machine(machine: dict, device: str) -> str:
     where = machine.get("gpu") or device.upper()
-    return f"{where}, {machine['cpu_count']} cores, torch {machine['torch']}, {machine['platform']}"
+    table = machine.get("cpu_fp8_table")
+    path = "" if table is None else f", CPU quantize: {'AVX-512 VBMI table' if table else 'generic (no AVX-512 VBMI)'}"
+    return f"{where}, {machine['cpu_count']} cores, torch {machine['torch']}, {machine['platform']}{path}"
 
 
 def _intro(pm: dict) -> str:

@@ -339,7 +339,7 @@ def build_parser(options_of: tuple[str, ...] | None = None) -> argparse.Argument
             command it runs: the options' choices (schemes, kernels) come from modules that import torch, and
             ``layerwise --help`` lists the commands alone.
     """
-    parser = _Parser(prog="layerwise", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="layerwise", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"layerwise {version()}", help="print the version")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(
