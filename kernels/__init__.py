@@ -29,6 +29,7 @@ from layerwise.kernels.reference import (
     scale_layout,
     scale_shape,
 )
+from layerwise.optional import require
 
 KERNELS = ("torch", "triton")
 # Whether Triton is installed. It is imported (about 0.75 s) only when a Triton kernel first runs: a CPU load never
@@ -37,11 +38,18 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
-    """Pick the kernel name for ``device``. Raises ValueError for an unknown name."""
+    """Pick the kernel name for ``device``.
+
+    Raises:
+        ValueError: an unknown name.
+        MissingDependencyError: "triton" asked for where Triton is not installed (names the [gpu] extra).
+    """
     if kernel is None:
         return "triton" if torch.device(device).type == "cuda" and HAS_TRITON else "torch"
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
+    if kernel == "triton" and not HAS_TRITON:
+        require(["triton"], extra="gpu", purpose="kernel='triton'")
     return kernel
 
 

@@ -289,3 +289,17 @@ def test_import_optional_names_its_package(monkeypatch):
         optional.import_optional("torchao.quantization", extra="torchao", purpose="quantization='torchao:...'")
     assert str(e.value).startswith("quantization='torchao:...' needs torchao, which is not installed. Install it: ")
     assert "pip install 'torchao>=0.10';" in str(e.value)
+
+
+def test_the_triton_kernel_without_triton_names_the_gpu_extra(tmp_path, monkeypatch):
+    """A CPU-only install has no Triton (it is the [gpu] extra): asking for kernel="triton" names what to install,
+    instead of an ImportError from inside the kernels; the default kernel is the torch one."""
+    import layerwise.kernels as kernels
+
+    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    monkeypatch.setitem(sys.modules, "triton", None)  # find_spec("triton") -> None: not installed
+    assert kernels.resolve_kernel(None, "cpu") == "torch"
+    with pytest.raises(layerwise.MissingDependencyError) as err:
+        layerwise.load_model(write_checkpoint(tmp_path / "ckpt", TINY), quantization="fp8", kernel="triton")
+    assert str(err.value).startswith("kernel='triton' needs triton, which is not installed.")
+    assert re.search(r"pip install 'triton(<3.10,>=3.4|>=3.4,<3.10)'", str(err.value)) and "'.[gpu]'" in str(err.value)
