@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -365,6 +366,8 @@ class _StderrHandler(logging.StreamHandler):
     """A handler writing to ``sys.stderr`` as it is when a record is emitted (not when the handler was made: the
     CLI may run in a process whose stderr is swapped later, as pytest's capture does)."""
 
+    saved: tuple[int, bool, int] = (logging.NOTSET, True, logging.WARNING)  # levels setup_logging found
+
     @property
     def stream(self):
         return sys.stderr
@@ -374,24 +377,38 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def setup_logging(debug: bool = False) -> None:
+def setup_logging(debug: bool = False) -> Callable[[], None]:
     """Print the ``layerwise`` loggers' records as ``layerwise: message`` (INFO up; DEBUG up with ``debug``), and
     other libraries' records under their own logger's name, WARNING up (INFO up with ``debug``). Calling it again
-    replaces what an earlier call installed."""
+    replaces what an earlier call installed. Returns the function that removes the handlers and restores the levels
+    and propagation it changed (``main`` calls it on its way out, so an in-process call leaves logging as it was)."""
     ours, root = logging.getLogger("layerwise"), logging.getLogger()
+    earlier = [h for h in ours.handlers if isinstance(h, _StderrHandler)]
+    # the levels before the first call: an earlier call's handler keeps them
+    saved = earlier[0].saved if earlier else (ours.level, ours.propagate, root.level)
     for logger in (ours, root):
         for handler in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
             logger.removeHandler(handler)
     handler = _StderrHandler()
+    handler.saved = saved
     handler.setFormatter(logging.Formatter("layerwise: %(message)s"))
     ours.addHandler(handler)
     ours.setLevel(logging.DEBUG if debug else logging.INFO)
-    theirs = _StderrHandler(logging.INFO if debug else logging.WARNING)
+    ours.propagate = False  # printed once, by our handler, not again by a handler the host put on the root
+    theirs = _StderrHandler()
+    theirs.setLevel(logging.INFO if debug else logging.WARNING)  # a library logger set to INFO stays quiet too
     theirs.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
-    theirs.addFilter(lambda record: record.name.partition(".")[0] != "layerwise")  # ours printed them already
     root.addHandler(theirs)
     if debug:
-        root.setLevel(logging.INFO)
+        root.setLevel(min(root.level, logging.INFO))
+
+    def restore() -> None:
+        ours.removeHandler(handler)
+        root.removeHandler(theirs)
+        ours.level, ours.propagate = saved[0], saved[1]
+        root.setLevel(saved[2])
+
+    return restore
 
 
 def _out_of_memory(e: Exception) -> bool:
@@ -404,7 +421,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    setup_logging(debug)
+    restore_logging = setup_logging(debug)
     try:
         if argv[:1] == ["bench"]:  # the benchmark owns its arguments
             from layerwise.benchmarks.peak_memory import main as bench_main
@@ -430,6 +447,8 @@ def main(argv=None) -> int:
             first = str(e).split(". ")[0]  # "CUDA out of memory", without the allocator's advice that follows
             return _fail(f"out of device memory ({first}); a smaller model or another device", EXIT_FAILED)
         return _fail(f"unexpected {type(e).__name__}: {e} (please report it)", EXIT_FAILED)
+    finally:
+        restore_logging()
 
 
 if __name__ == "__main__":

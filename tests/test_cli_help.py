@@ -106,6 +106,7 @@ def cli_logging():
 
 RECORDS = [
     ("torchao", logging.WARNING, "Failed to load _C_mxfp8.so"),
+    ("verbose_lib", logging.INFO, "a library whose own logger is set to INFO"),
     ("matplotlib.font_manager", logging.INFO, "generated new fontManager"),
     ("layerwise.quant.fp8", logging.INFO, "compiling the FP8 kernels once"),
     ("layerwise.reload", logging.DEBUG, "staging buffer kept"),
@@ -120,6 +121,7 @@ RECORDS = [
             True,
             [
                 "torchao: WARNING: Failed to load _C_mxfp8.so",
+                "verbose_lib: INFO: a library whose own logger is set to INFO",
                 "matplotlib.font_manager: INFO: generated new fontManager",
                 "layerwise: compiling the FP8 kernels once",
                 "layerwise: staging buffer kept",
@@ -129,11 +131,15 @@ RECORDS = [
 )
 def test_other_libraries_do_not_log_under_our_prefix(cli_logging, capsys, debug, printed):
     """Theirs from WARNING up under their own name (INFO up with --debug), ours under ``layerwise:``."""
+    logging.getLogger("verbose_lib").setLevel(logging.INFO)
+    before = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in (logging.getLogger("layerwise"), logging.root)]
     cli.setup_logging(debug)
-    cli.setup_logging(debug)  # a second call replaces the first: nothing printed twice
+    restore = cli.setup_logging(debug)  # a second call replaces the first: nothing printed twice
     for name, level, message in RECORDS:
         logging.getLogger(name).log(level, message)
     assert capsys.readouterr().err.splitlines() == printed
+    restore()  # as main does on its way out: an in-process call leaves logging as it found it
+    assert [(lg, list(lg.handlers), lg.level, lg.propagate) for lg, *_ in before] == before
 
 
 def test_the_cli_process_prints_no_foreign_line_under_our_prefix(tmp_path):
@@ -142,11 +148,16 @@ def test_the_cli_process_prints_no_foreign_line_under_our_prefix(tmp_path):
     from layerwise.demo import write_checkpoint
 
     path = write_checkpoint(tmp_path / "ckpt", TINY)
-    script = (
+    script = (  # a torchao warning logged once the CLI has set up its logging (whether or not torchao logs itself)
         "import logging, sys\n"
-        "from layerwise.cli import main\n"
-        "logging.getLogger('torchao').warning('a torchao warning')\n"  # whether or not torchao itself logs here
-        "sys.exit(main(sys.argv[1:]))\n"
+        "import layerwise.cli as cli\n"
+        "setup = cli.setup_logging\n"
+        "def setup_then_log(debug):\n"
+        "    restore = setup(debug)\n"
+        "    logging.getLogger('torchao').warning('a torchao warning')\n"
+        "    return restore\n"
+        "cli.setup_logging = setup_then_log\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script, "load", str(path), "--quantization", "torchao:Int8WeightOnlyConfig"],
@@ -155,6 +166,7 @@ def test_the_cli_process_prints_no_foreign_line_under_our_prefix(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
+    assert "torchao: WARNING: a torchao warning" in proc.stderr.splitlines()  # under its own name
     ours = [line for line in proc.stderr.splitlines() if line.startswith("layerwise:")]
     assert not [line for line in ours if "torchao" in line or "Failed to load" in line], proc.stderr
 
