@@ -15,6 +15,7 @@ imported by the modules that hold Triton kernels, on first use.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -32,9 +33,19 @@ from layerwise.kernels.reference import (
 from layerwise.optional import require
 
 KERNELS = ("torch", "triton")
-# Whether Triton is installed. It is imported (about 0.75 s) only when a Triton kernel first runs: a CPU load never
-# imports it, a CUDA load on its first quantization (kernels.triton_common, through kernels.ops).
+# Whether Triton is installed (nothing imported). It is imported (about 0.75 s) only where a Triton kernel may run: a
+# CPU load never imports it, a CUDA load when it picks its kernel (triton_importable).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether Triton is installed and imports (``kernels.triton_common.HAS_TRITON``); imports it where it is."""
+    if not HAS_TRITON:
+        return False
+    from layerwise.kernels.triton_common import HAS_TRITON as importable
+
+    return importable
 
 
 def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
@@ -42,14 +53,15 @@ def resolve_kernel(kernel: str | None, device: torch.device | str) -> str:
 
     Raises:
         ValueError: an unknown name.
-        MissingDependencyError: "triton" asked for where Triton is not installed (names the [gpu] extra).
+        MissingDependencyError: "triton" asked for where Triton is not installed or does not import (names the
+            [gpu] extra).
     """
     if kernel is None:
-        return "triton" if torch.device(device).type == "cuda" and HAS_TRITON else "torch"
+        return "triton" if torch.device(device).type == "cuda" and triton_importable() else "torch"
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
-    if kernel == "triton" and not HAS_TRITON:
-        require(["triton"], extra="gpu", purpose="kernel='triton'")
+    if kernel == "triton" and not triton_importable():
+        require(["triton"], extra="gpu", purpose="kernel='triton'")  # raises: not installed, or fails to import
     return kernel
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from layerwise.errors import DeviceError, LayerwiseError
+from layerwise.errors import DeviceError, LayerwiseError, MissingDependencyError
 
 if TYPE_CHECKING:
     from layerwise.api import LoadReport
@@ -141,10 +141,12 @@ def _report_file(path: str | None) -> None:
 
 def _kernel(kernel: str | None) -> None:
     if kernel == "triton":
-        from layerwise.kernels import HAS_TRITON
+        from layerwise.kernels import resolve_kernel
 
-        if not HAS_TRITON:
-            raise UsageError("--kernel triton: triton is not installed (pip install triton), or use --kernel torch")
+        try:
+            resolve_kernel(kernel, "cpu")
+        except MissingDependencyError as e:
+            raise UsageError(f"--kernel triton: {e}; or use --kernel torch") from e
 
 
 # ---- commands ----

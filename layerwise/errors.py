@@ -145,6 +145,9 @@ class DeviceError(LayerwiseError, ValueError):
         self.device = device
         self.reason = reason
 
+    def __reduce__(self):  # pickled across processes (spawned workers) with both arguments
+        return type(self), (self.device, self.reason)
+
 
 class TensorParallelError(LayerwiseError, ValueError):
     """A model cannot be sharded over the given tensor-parallel group (sizes that do not divide),

@@ -296,10 +296,38 @@ def test_the_triton_kernel_without_triton_names_the_gpu_extra(tmp_path, monkeypa
     instead of an ImportError from inside the kernels; the default kernel is the torch one."""
     import layerwise.kernels as kernels
 
-    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    monkeypatch.setattr(kernels, "triton_importable", lambda: False)
     monkeypatch.setitem(sys.modules, "triton", None)  # find_spec("triton") -> None: not installed
     assert kernels.resolve_kernel(None, "cpu") == "torch"
     with pytest.raises(layerwise.MissingDependencyError) as err:
         layerwise.load_model(write_checkpoint(tmp_path / "ckpt", TINY), quantization="fp8", kernel="triton")
     assert str(err.value).startswith("kernel='triton' needs triton, which is not installed.")
     assert re.search(r"pip install 'triton(<3.10,>=3.4|>=3.4,<3.10)'", str(err.value)) and "'.[gpu]'" in str(err.value)
+
+
+def test_a_triton_that_does_not_import_is_named_and_cuda_falls_back_to_torch(monkeypatch):
+    """Installed but broken (a wheel for another CUDA, say): the default kernel on CUDA is the torch one, and
+    kernel="triton" says that triton fails to import rather than picking it and failing inside the kernels."""
+    import layerwise.kernels as kernels
+    import layerwise.kernels.triton_common as triton_common
+
+    monkeypatch.setattr(triton_common, "HAS_TRITON", False)  # the import in triton_common failed
+    monkeypatch.setattr(kernels, "HAS_TRITON", True)  # find_spec finds it
+    kernels.triton_importable.cache_clear()
+    try:
+        assert kernels.resolve_kernel(None, "cuda") == "torch"
+        monkeypatch.setitem(sys.modules, "triton", None)  # importing it fails
+        with pytest.raises(layerwise.MissingDependencyError, match="triton"):
+            kernels.resolve_kernel("triton", "cpu")
+    finally:
+        kernels.triton_importable.cache_clear()
+
+
+def test_a_device_error_crosses_processes():
+    """Errors travel between spawned workers by pickle; DeviceError's two required arguments must survive it."""
+    import pickle
+
+    err = layerwise.DeviceError("cuda:3", "only 1 GPU is visible")
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is layerwise.DeviceError and str(again) == str(err)
+    assert (again.device, again.reason) == ("cuda:3", "only 1 GPU is visible")
