@@ -262,9 +262,12 @@ def _reused_pages_line(pm: dict, reused: tuple[str, dict] | None) -> str | None:
     if not rows or floor is None:
         return None
     ratios = ", ".join(f"{m[len('layerwise-') :]} {r['time_over_floor']:.2f}x" for m, r in rows.items())
+    run = f"commit {data.get('commit', 'unknown')}, {data.get('date', 'undated')}"
+    if data.get("machine", {}).get("cpu_fp8_table") != pm.get("machine", {}).get("cpu_fp8_table"):
+        run += ", another CPU quantize path than the table above"
     return (
         f"* With `--pages reused` (a loop of loads in one process, each reusing the pages the one before it freed;\n"
-        f"  `{REFERENCE_DIR}/{stem}.json`, floor {floor['seconds']:.2f} s):\n  load / floor {ratios}."
+        f"  `{REFERENCE_DIR}/{stem}.json`, floor {floor['seconds']:.2f} s; {run}):\n  load / floor {ratios}."
     )
 
 
