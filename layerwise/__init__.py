@@ -52,6 +52,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module("layerwise.api"), name)
         globals()[name] = value  # looked up once
         return value
+    if name.startswith("__") or not name.isidentifier():  # dunder probes, "a.b": no submodule to import
+        raise AttributeError(f"module 'layerwise' has no attribute {name!r}")
     try:
         return importlib.import_module(f"layerwise.{name}")
     except ModuleNotFoundError as e:

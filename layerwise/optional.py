@@ -59,7 +59,11 @@ def require(modules: Sequence[str], extra: str, purpose: str) -> None:
         try:
             importlib.import_module(module)
         except ImportError as e:
-            raise _not_installed([module.split(".")[0]], extra, purpose) from e
+            package = module.split(".")[0]
+            raise MissingDependencyError(
+                f"{purpose} needs {module}, which is installed but fails to import ({type(e).__name__}: {e}); "
+                f"reinstall it: {install_hint(extra, [package])}"
+            ) from e
 
 
 def _not_installed(packages: list[str], extra: str, purpose: str) -> MissingDependencyError:

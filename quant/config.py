@@ -68,14 +68,21 @@ def scheme_names() -> list[str]:
     return [f"{n}:<{_SCHEMES[c].help.split()[0]}>" if _SCHEMES[c].takes_argument else n for n, c in _ALIASES.items()]
 
 
-#: names other tools give a scheme (vLLM's, transformers') -> the scheme of layerwise that does the same
-_FOREIGN_NAMES = {"int8": "torchao:Int8WeightOnlyConfig"}
+#: names other tools give a scheme (vLLM's, transformers') -> the scheme of layerwise that does the same; matched
+#: exactly (a near miss such as int4 is another format, not a typo of int8)
+_FOREIGN_NAMES = {
+    "int8": "torchao:Int8WeightOnlyConfig",
+    "fp8_e4m3": "fp8",
+    "float8": "fp8",
+    "e4m3": "fp8",
+    "float8_e4m3fn": "fp8",
+}
 
 
 def unknown_scheme_message(text: str) -> str:
-    """Why ``text`` is no scheme and what to write instead: the nearest accepted name ("int8": torchao's
-    Int8WeightOnlyConfig; otherwise difflib over the accepted names) and the accepted names, or for an e5m2
-    format that e4m3 is the only FP8 format, with the FP8 schemes."""
+    """Why ``text`` is no scheme and what to write instead: the nearest accepted name (another tool's name, exactly:
+    "int8" is torchao's Int8WeightOnlyConfig, "float8" / "e4m3" is fp8; otherwise difflib over the accepted names)
+    and the accepted names, or for an e5m2 format that e4m3 is the only FP8 format, with the FP8 schemes."""
     head, _, argument = text.strip().partition(":")
     if "e5m2" in head.lower():
         fp8 = ", ".join(n for n in scheme_names() if n.startswith("fp8"))
@@ -84,7 +91,9 @@ def unknown_scheme_message(text: str) -> str:
             f"use one of {fp8}"
         )
     message = f"unknown quantization {text!r}; "
-    near = difflib.get_close_matches(head.lower(), [*_ALIASES, *_FOREIGN_NAMES], n=1)
+    key = head.lower()
+    # a foreign name exactly; else a near miss of ours (0.8: fp8_per_block and torchoa, not fp4 or int4)
+    near = [key] if key in _FOREIGN_NAMES else difflib.get_close_matches(key, _ALIASES, n=1, cutoff=0.8)
     if near:
         name = _FOREIGN_NAMES.get(near[0], near[0])
         if name in _SCHEMES and _SCHEMES[name].takes_argument:

@@ -245,6 +245,21 @@ def test_reload_from_a_hub_id_says_the_same(model, tmp_path, monkeypatch):
             "unknown quantization 'gptq'; choose one of: "
             "fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block, torchao:<Config>, none",
         ),
+        (  # another format, not a typo of int8 or fp8: no suggestion
+            "int4",
+            "unknown quantization 'int4'; choose one of: "
+            "fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block, torchao:<Config>, none",
+        ),
+        (
+            "fp4",
+            "unknown quantization 'fp4'; choose one of: "
+            "fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block, torchao:<Config>, none",
+        ),
+        (
+            "float8",
+            "unknown quantization 'float8'; did you mean 'fp8'? "
+            "choose one of: fp8-per-tensor, fp8, fp8-per-channel, fp8-per-block, torchao:<Config>, none",
+        ),
     ],
 )
 def test_unknown_scheme_suggests_the_nearest(ckpt, scheme, message):
@@ -331,3 +346,16 @@ def test_a_device_error_crosses_processes():
     again = pickle.loads(pickle.dumps(err))
     assert type(again) is layerwise.DeviceError and str(again) == str(err)
     assert (again.device, again.reason) == ("cuda:3", "only 1 GPU is visible")
+
+
+def test_an_installed_package_that_fails_to_import_is_not_called_missing(tmp_path, monkeypatch):
+    """find_spec finds it, its import raises: the message says so and keeps the cause, not 'not installed'."""
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("raise ImportError('libfoo.so: cannot open shared object')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(layerwise.MissingDependencyError) as err:
+        optional.require(["brokenpkg"], extra="bench", purpose="layerwise bench")
+    assert str(err.value).startswith(
+        "layerwise bench needs brokenpkg, which is installed but fails to import "
+        "(ImportError: libfoo.so: cannot open shared object); reinstall it: "
+    )

@@ -68,7 +68,8 @@ class CausalLM(nn.Module):
         The shape and dtype are checked on every device (tensor metadata: no work, safe inside a CUDA graph
         capture). The range [0, vocab_size) is checked on CPU tensors only, with one min/max reduction: on another
         device it would read the result back to the host, a synchronization in every decode step that a CUDA graph
-        capture also forbids (:meth:`layerwise.engine.Engine.generate` checks its prompts on the host instead).
+        capture also forbids (:meth:`layerwise.engine.Engine.generate` checks its prompts on the host instead), and
+        not while torch.compile traces (a data-dependent host read would break the graph).
 
         Raises:
             ValueError: not a 2-D int64 / int32 tensor [batch, seq] (names the dtype and shape), or an id outside
@@ -82,7 +83,7 @@ class CausalLM(nn.Module):
                 f"input_ids must be a 2-D integer tensor [batch, seq] (int64 or int32), got {input_ids.dtype} of "
                 f"shape {tuple(input_ids.shape)}{one_sequence}"
             )
-        if input_ids.device.type != "cpu" or input_ids.numel() == 0:
+        if input_ids.device.type != "cpu" or input_ids.numel() == 0 or torch.compiler.is_compiling():
             return
         low, high = (int(x) for x in torch.aminmax(input_ids))
         vocab = self.config.vocab_size
