@@ -1,5 +1,7 @@
 """layerwise: load BF16 Hugging Face checkpoints as FP8 layer by layer, and hot-reload them in place."""
 
+from typing import TYPE_CHECKING
+
 from layerwise.errors import (
     CheckpointError,
     ConfigError,
@@ -16,7 +18,10 @@ from layerwise.errors import (
     WeightShapeError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the distribution's version too (pyproject.toml reads it)
+
+if TYPE_CHECKING:  # what __getattr__ returns, for type checkers and editors
+    from layerwise.api import LoadReport, ReloadReport, load_model, load_model_with_report, reload_weights
 
 # imported from layerwise.api at first use (PEP 562): ``import layerwise`` (and the CLI's --help) imports no torch
 _API = ("LoadReport", "ReloadReport", "load_model", "load_model_with_report", "reload_weights")

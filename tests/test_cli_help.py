@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,9 @@ def test_version_prints_the_installed_version():
         [sys.executable, "-m", "layerwise.cli", "--version"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and proc.stdout == f"layerwise {metadata.version('layerwise')}\n"
+    # the one source: pyproject reads layerwise.__version__ (read here from the file, not by importing it)
+    init = (Path(__file__).resolve().parents[1] / "layerwise" / "__init__.py").read_text()
+    assert f'__version__ = "{metadata.version("layerwise")}"' in init
 
 
 NO_TORCH = """
