@@ -166,11 +166,12 @@ def test_unsupported_architecture_lists_the_supported_ones(ckpt, tmp_path):
 
 
 def _without(tmp_path, package):
-    """A PYTHONPATH entry that makes ``import package`` fail, as if it were not installed."""
-    fake = tmp_path / "hide" / package
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(f'raise ImportError("no module named {package} (simulated)")\n')
-    return {"PYTHONPATH": os.pathsep.join([str(tmp_path / "hide"), os.environ.get("PYTHONPATH", "")])}
+    """A PYTHONPATH entry whose sitecustomize hides ``package`` as if it were not installed: find_spec finds
+    nothing and its import fails (None in sys.modules)."""
+    hide = tmp_path / "hide"
+    hide.mkdir(parents=True)
+    (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{package!r}] = None\n")
+    return {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
 
 
 def test_missing_torchao_names_the_pip_line(ckpt, tmp_path):
