@@ -9,8 +9,8 @@ The forward's kernels live beside these (imported on demand, CUDA only in the li
 ``fp8_act`` (fused dynamic activation quantization: per token, per token group of 128, per tensor) and
 ``fp8_gemm`` (W8A16 GEMM over FP8 weight bytes; block-scaled W8A8 GEMM). ``ops`` wraps the weight
 kernels as torch.library custom ops for torch.compile; eager calls skip the op (no torch._dynamo import).
-This package imports torch and, of the project, only the leaf ``layerwise.errors`` (never ``quant``); Triton is
-imported by the modules that hold Triton kernels, on first use.
+This package imports torch and, of the project, only the leaves ``layerwise.errors`` and ``layerwise.optional``
+(never ``quant``); Triton is imported by the modules that hold Triton kernels, on first use.
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ import functools
 
 import torch
 
+from layerwise.optional import install_hint
+
 try:  # triton is optional at import time (macOS, Windows)
     import triton
     import triton.language as tl
@@ -207,9 +209,7 @@ def as_matrix(w: torch.Tensor) -> torch.Tensor:
 def check_input(w: torch.Tensor, name: str, ndim: int | None = 2) -> None:
     """Raise TypeError/ValueError/RuntimeError for inputs the kernels do not take."""
     if not HAS_TRITON:
-        raise RuntimeError(
-            "kernel='triton' needs Triton, which is not installed: pip install 'triton>=3.4,<3.10' (or the [gpu] extra)"
-        )
+        raise RuntimeError(f"kernel='triton' needs Triton, which is not installed: {install_hint('gpu', ['triton'])}")
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"{name}: expected a bf16/fp16/fp32 tensor, got {w.dtype}")
     if ndim is not None and w.dim() != ndim:

@@ -321,19 +321,6 @@ COMMANDS = {
 }
 
 
-def version() -> str:
-    """The installed distribution's version (importlib.metadata), else ``layerwise.__version__`` (a source tree
-    that was never installed). Imports no torch."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("layerwise")
-    except metadata.PackageNotFoundError:
-        from layerwise import __version__
-
-        return __version__
-
-
 def build_parser(options_of: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
     """The ``layerwise`` argument parser: commands load, demo, reload, sync-demo and bench.
 
@@ -343,7 +330,9 @@ def build_parser(options_of: tuple[str, ...] | None = None) -> argparse.Argument
             ``layerwise --help`` lists the commands alone.
     """
     parser = _Parser(prog="layerwise", description=__doc__.split("\n\n")[0].replace("``", ""))
-    parser.add_argument("--version", action="version", version=f"layerwise {version()}", help="print the version")
+    from layerwise import __version__  # the package's one version (pyproject reads it); imports no torch
+
+    parser.add_argument("--version", action="version", version=f"layerwise {__version__}", help="print the version")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="see 'layerwise COMMAND --help' for its options"
@@ -368,7 +357,7 @@ class _StderrHandler(logging.StreamHandler):
     """A handler writing to ``sys.stderr`` as it is when a record is emitted (not when the handler was made: the
     CLI may run in a process whose stderr is swapped later, as pytest's capture does)."""
 
-    saved: tuple[int, bool, int] = (logging.NOTSET, True, logging.WARNING)  # levels setup_logging found
+    saved: tuple[int, bool, int]  # the levels and propagation the first setup_logging call found
 
     @property
     def stream(self):
