@@ -30,18 +30,30 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
 { nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; } \
   >"$OUT/device.txt" 2>&1
+# the steps more than one part runs: each takes its time limit in seconds (and pytest's extra arguments, or the
+# suite's budget)
+gpu_tests() {
+  local limit=$1; shift
+  timeout -s INT -k 10 "$limit" python3 -m pytest -m gpu tests -q -rfE --durations=15 -p no:cacheprovider "$@" \
+    >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests exit $?"; tail -n 25 "$OUT/gpu_tests.log"
+}
+demo_cuda() {
+  timeout -s INT -k 10 "$1" python3 -m layerwise.cli demo --device cuda >"$OUT/demo_cuda.log" 2>&1
+  echo "demo exit $?"; tail -n 8 "$OUT/demo_cuda.log"
+}
+suite_8b() {
+  timeout -s INT -k 10 "$1" python3 -m layerwise.benchmarks.suite --device cuda --size 8b --budget "$2" \
+    --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/suite.log" 2>&1
+  echo "suite exit $?"; tail -n 40 "$OUT/suite.log"
+}
 case "$part" in
   tests)
-    timeout -s INT -k 10 420 python3 -m pytest -m gpu tests -q -rfE --durations=15 -p no:cacheprovider \
-      >"$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests exit $?"; tail -n 25 "$OUT/gpu_tests.log"
-    timeout -s INT -k 10 120 python3 -m layerwise.cli demo --device cuda >"$OUT/demo_cuda.log" 2>&1
-    echo "demo exit $?"; tail -n 8 "$OUT/demo_cuda.log"
+    gpu_tests 420
+    demo_cuda 120
     ;;
   suite)
-    timeout -s INT -k 10 560 python3 -m layerwise.benchmarks.suite --device cuda --size 8b --budget 500 \
-      --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/suite.log" 2>&1
-    echo "suite exit $?"; tail -n 40 "$OUT/suite.log"
+    suite_8b 560 500
     ;;
   moe)
     timeout -s INT -k 10 180 python3 -m layerwise.benchmarks.moe_load --device cuda --loads 3 --out-dir "$OUT/results" \
@@ -62,17 +74,10 @@ case "$part" in
     ;;
   session)
     start=$SECONDS
-    workers=""
-    python3 -c "import xdist" 2>/dev/null && workers="-n 8"
-    timeout -s INT -k 10 240 python3 -m pytest -m gpu tests -q -rfE --durations=15 -p no:cacheprovider $workers \
-      >"$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests exit $?"; tail -n 25 "$OUT/gpu_tests.log"
-    timeout -s INT -k 10 60 python3 -m layerwise.cli demo --device cuda >"$OUT/demo_cuda.log" 2>&1
-    echo "demo exit $?"; tail -n 8 "$OUT/demo_cuda.log"
+    if python3 -c "import xdist" 2>/dev/null; then gpu_tests 240 -n 8; else gpu_tests 240; fi
+    demo_cuda 60
     left=$((555 - (SECONDS - start)))
-    timeout -s INT -k 10 "$left" python3 -m layerwise.benchmarks.suite --device cuda --size 8b --budget $((left - 45)) \
-      --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/suite.log" 2>&1
-    echo "suite exit $?"; tail -n 40 "$OUT/suite.log"
+    suite_8b "$left" $((left - 45))
     tar czf /tmp/gpu_session.tgz -C "$OUT" . && mv /tmp/gpu_session.tgz "$OUT/"
     ;;
   *)
