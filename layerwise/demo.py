@@ -2,7 +2,9 @@
 
 Nothing is downloaded. The tensors are generated from a fixed seed and written with safetensors
 into shards listed by model.safetensors.index.json, exactly as transformers' save_pretrained lays
-them out, so the demo exercises the same reader as a real checkpoint.
+them out, so the demo exercises the same reader as a real checkpoint. Beside them: a small byte-level
+BPE tokenizer (:mod:`layerwise.demo_tokenizer`) and a generation_config.json naming its EOS ids, as a
+Qwen2.5 instruct checkpoint has.
 """
 
 from __future__ import annotations
@@ -15,8 +17,17 @@ import torch
 from safetensors.torch import save_file
 
 from layerwise.checkpoint import CONFIG_NAME, INDEX_FILE
+from layerwise.demo_tokenizer import (
+    GENERATION_CONFIG_NAME,
+    check_vocab_size,
+    special_token_ids,
+    tokenizer_fits,
+    write_generation_config,
+    write_tokenizer,
+)
 
 PROMPT = [1, 17, 42, 7]  # token ids the demos continue greedily (load, reload, sync-demo)
+PROMPT_TEXT = "The engine reads the new weights"  # the text prompt of `layerwise demo` and `layerwise generate`
 DEMO_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -70,12 +81,31 @@ def _qwen3_tensors(cfg: dict, generator: torch.Generator):
         yield "lm_head.weight", rand(v, h)
 
 
-def write_checkpoint(path: str | os.PathLike, config: dict, seed: int = 0, max_shard_bytes: int = 4 << 20) -> Path:
+def write_checkpoint(
+    path: str | os.PathLike,
+    config: dict,
+    seed: int = 0,
+    max_shard_bytes: int = 4 << 20,
+    *,
+    tokenizer: bool | None = None,
+) -> Path:
     """Write a random BF16 checkpoint for a Qwen3 ``config`` (HF field names) into ``path``.
 
     Shards hold at most ``max_shard_bytes`` of tensor data (a larger tensor gets its own shard).
-    Returns the directory.
+
+    Args:
+        tokenizer: also write the demo tokenizer (:func:`write_text_files`: tokenizer files, generation_config.json
+            and ``eos_token_id`` in config.json). Default: when ``config["vocab_size"]`` has room for it (259 ids
+            or more); tiny test configs stay without one, as before.
+    Returns:
+        the directory.
+    Raises:
+        ValueError: ``tokenizer=True`` with a vocabulary below 259 ids.
     """
+    if tokenizer is None:
+        tokenizer = tokenizer_fits(config["vocab_size"])
+    elif tokenizer:
+        check_vocab_size(config["vocab_size"])  # before any file is written
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
@@ -96,20 +126,44 @@ def write_checkpoint(path: str | os.PathLike, config: dict, seed: int = 0, max_s
     total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
     with open(path / INDEX_FILE, "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(path / CONFIG_NAME, "w") as f:
-        json.dump(config, f, indent=2)
+    if tokenizer:
+        write_text_files(path, config)  # config.json with eos_token_id, then the tokenizer, the generation config
+    else:
+        with open(path / CONFIG_NAME, "w") as f:
+            json.dump(config, f, indent=2)
     return path
 
 
-def demo_checkpoint(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
-    """The demo checkpoint's directory, generated on first use (about 52 MiB of BF16).
+def write_text_files(path: str | os.PathLike, config: dict) -> None:
+    """The text side of a checkpoint written for ``config``: config.json with ``eos_token_id`` (``<|im_end|>``), the
+    demo tokenizer for ``config["vocab_size"]`` and generation_config.json with ``eos_token_id`` [``<|im_end|>``,
+    ``<|endoftext|>``] (as Qwen2.5's), written last: :func:`demo_checkpoint` takes its presence to mean complete.
 
-    ``seed`` selects the weights (seed 1 is the "new policy" used by ``layerwise reload``).
+    Raises:
+        ValueError: a vocabulary below 259 ids.
+    """
+    path = Path(path)
+    ids = special_token_ids(config["vocab_size"])
+    with open(path / CONFIG_NAME, "w") as f:
+        json.dump({**config, "eos_token_id": ids["<|im_end|>"]}, f, indent=2)
+    write_tokenizer(path, config["vocab_size"])
+    write_generation_config(
+        path, eos_token_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"]
+    )
+
+
+def demo_checkpoint(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """The demo checkpoint's directory, generated on first use (about 52 MiB of BF16), with its tokenizer.
+
+    ``seed`` selects the weights (seed 1 is the "new policy" used by ``layerwise reload``). A directory cached by an
+    earlier version without the tokenizer gets it (and the generation config) added; its weights are kept.
     """
     name = "demo-qwen3-8l" if seed == 0 else f"demo-qwen3-8l-seed{seed}"
     path = Path(cache_dir or default_cache_dir()) / name
     if not (path / INDEX_FILE).exists():
-        write_checkpoint(path, DEMO_CONFIG, seed=seed)
+        write_checkpoint(path, DEMO_CONFIG, seed=seed, tokenizer=True)
+    elif not (path / GENERATION_CONFIG_NAME).exists():
+        write_text_files(path, DEMO_CONFIG)
     return path
 
 
