@@ -6,6 +6,7 @@ routing mistake in any of them changes the logits.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -146,6 +147,38 @@ def write_hf_checkpoint(
                 p[len(name) % p.shape[0]] *= 50
     model.to(torch.bfloat16).save_pretrained(path, max_shard_size=max_shard_size)
     return Path(path)
+
+
+def add_text_files(path: Path, *, tokenizer: bool = True, eos_token_ids: int | list[int] | None = None) -> dict:
+    """Add the demo tokenizer (layerwise/demo_tokenizer.py) and/or chosen EOS ids to the checkpoint at ``path``.
+
+    Args:
+        tokenizer: write tokenizer.json, tokenizer_config.json and special_tokens_map.json for config.json's
+            ``vocab_size``, which must be 259 or more (``write_hf_checkpoint(..., vocab=512)``; the default 128 is too
+            small). Its ids: bytes 0-255, merges, then ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``.
+        eos_token_ids: written as generation_config.json's ``eos_token_id`` (its other fields kept). Note that
+            save_pretrained already writes a generation_config.json, with eos_token_id 2 for Llama, Mistral, Phi3
+            and Mixtral (their configs' default) and none for the Qwen architectures.
+    config.json is never changed: transformers builds the same model from it.
+    Returns:
+        the special tokens' ids, e.g. ``{"<|endoftext|>": 601, "<|im_start|>": 602, "<|im_end|>": 603}`` for a
+        vocabulary of 604 or more ({} with ``tokenizer=False``).
+    Raises:
+        ValueError: ``tokenizer=True`` with a vocabulary below 259 ids.
+    """
+    from layerwise.demo_tokenizer import GENERATION_CONFIG_NAME, special_token_ids, write_tokenizer
+
+    path = Path(path)
+    ids = {}
+    if tokenizer:
+        vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+        write_tokenizer(path, vocab_size)
+        ids = special_token_ids(vocab_size)
+    if eos_token_ids is not None:
+        file = path / GENERATION_CONFIG_NAME
+        generation = json.loads(file.read_text()) if file.is_file() else {}
+        file.write_text(json.dumps({**generation, "eos_token_id": eos_token_ids}, indent=2))
+    return ids
 
 
 def hf_logits(path: Path, input_ids: torch.Tensor) -> torch.Tensor:

@@ -187,3 +187,32 @@ def test_write_checkpoint_adds_a_tokenizer_only_where_it_fits(tmp_path):
     assert (small / "tokenizer.json").is_file() and (small / "generation_config.json").is_file()
     without = write_checkpoint(tmp_path / "without", dict(tiny, vocab_size=300), tokenizer=False)
     assert not (without / "tokenizer.json").exists()
+
+
+# ---- tests/hf_checkpoints.py's helper
+
+
+def test_add_text_files_to_a_transformers_checkpoint(tmp_path):
+    from tests.hf_checkpoints import add_text_files, write_hf_checkpoint
+
+    path = write_hf_checkpoint(tmp_path / "llama", "LlamaForCausalLM", vocab=512)
+    config = (path / "config.json").read_bytes()
+    ids = add_text_files(path, eos_token_ids=[7, 9])
+    assert (path / "config.json").read_bytes() == config  # transformers builds the same model
+    assert ids == special_token_ids(512)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert len(tok) <= 512 and tok.encode("<|im_end|>") == [ids["<|im_end|>"]]
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [7, 9] and generation["bos_token_id"] == 1  # save_pretrained's fields kept
+    assert transformers.GenerationConfig.from_pretrained(path).eos_token_id == [7, 9]
+
+
+def test_add_text_files_without_tokenizer_and_too_small_a_vocabulary(tmp_path):
+    from tests.hf_checkpoints import add_text_files, write_hf_checkpoint
+
+    path = write_hf_checkpoint(tmp_path / "qwen3", "Qwen3ForCausalLM")  # vocab 128
+    assert add_text_files(path, tokenizer=False, eos_token_ids=5) == {}
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 5
+    assert not (path / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="vocab_size 128"):
+        add_text_files(path)
