@@ -29,6 +29,7 @@ from layerwise import LayerwiseError, load_model
 from layerwise.demo import demo_checkpoint
 from layerwise.engine import Engine
 from layerwise.optional import import_optional
+from layerwise.sampling_params import SamplingParams
 from layerwise.sync_demo import (
     PROMPT,
     TRAIN_SEQUENCE,
@@ -96,7 +97,8 @@ def main() -> int:
     engine = Engine.from_pretrained(
         checkpoint, max_batch_size=1, max_seq_len=len(PROMPT) + args.tokens, quantization="fp8"
     )
-    tokens_before = engine.generate([PROMPT], args.tokens)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    tokens_before = engine.generate([PROMPT], greedy)[0].outputs[0].token_ids
     pointers = kernel_pointers(engine.model)  # every kernel tensor's (object, data_ptr) before the update
 
     # The weight-sync group: the trainer (rank 0) hosts it on a free port; the engine is rank 1.
@@ -130,7 +132,7 @@ def main() -> int:
             engine.shutdown_weight_transfer()
             stop_process(process, args.timeout)
 
-        tokens_after = engine.generate([PROMPT], args.tokens)[0]
+        tokens_after = engine.generate([PROMPT], greedy)[0].outputs[0].token_ids
         now = kernel_pointers(engine.model)
         kept = sum(now.get(name) == pointer for name, pointer in pointers.items())
         equal = same_tensors(engine.model, load_model(check_dir, quantization="fp8"))

@@ -22,17 +22,29 @@ __version__ = "0.1.0"  # the distribution's version too (pyproject.toml reads it
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers and editors
     from layerwise.api import LoadReport, ReloadReport, load_model, load_model_with_report, reload_weights
+    from layerwise.engine import Engine
+    from layerwise.outputs import CompletionOutput, Logprob, RequestOutput
+    from layerwise.sampling_params import SamplingParams
 
-# imported from layerwise.api at first use (PEP 562): ``import layerwise`` (and the CLI's --help) imports no torch
-_API = ("LoadReport", "ReloadReport", "load_model", "load_model_with_report", "reload_weights")
+# name -> the module it is imported from at first use (PEP 562): ``import layerwise`` (and the CLI's --help)
+# imports no torch
+_API = {
+    **dict.fromkeys(("LoadReport", "ReloadReport", "load_model", "load_model_with_report", "reload_weights"), "api"),
+    "Engine": "engine",
+    "SamplingParams": "sampling_params",
+    **dict.fromkeys(("CompletionOutput", "Logprob", "RequestOutput"), "outputs"),
+}
 
 __all__ = [
     "CheckpointError",
+    "CompletionOutput",
     "ConfigError",
     "DeviceError",
     "DuplicateWeightError",
+    "Engine",
     "LayerwiseError",
     "LoadReport",
+    "Logprob",
     "MissingDependencyError",
     "MissingWeightError",
     "NonFiniteWeightError",
@@ -41,6 +53,8 @@ __all__ = [
     "UnexpectedWeightError",
     "UnsupportedArchitectureError",
     "ReloadReport",
+    "RequestOutput",
+    "SamplingParams",
     "WeightShapeError",
     "load_model",
     "load_model_with_report",
@@ -49,12 +63,13 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The API names from layerwise.api, and the submodules (``layerwise.checkpoint`` after ``import layerwise``,
+    """The API names (from layerwise.api, .engine, .sampling_params, .outputs), and the submodules
+    (``layerwise.checkpoint`` after ``import layerwise``,
     as when this package imported the API eagerly), each imported at its first use."""
     import importlib
 
     if name in _API:
-        value = getattr(importlib.import_module("layerwise.api"), name)
+        value = getattr(importlib.import_module(f"layerwise.{_API[name]}"), name)
         globals()[name] = value  # looked up once
         return value
     if name.startswith("__") or not name.isidentifier():  # dunder probes, "a.b": no submodule to import

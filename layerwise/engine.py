@@ -1,14 +1,17 @@
-"""A small generation engine: static KV cache, greedy decoding, CUDA-graph-captured decode step.
+"""A rollout engine: vLLM's offline ``generate`` over a loaded model, with weight updates between rollouts.
 
-The decode step has static shapes (max_batch_size x 1 tokens against a max_seq_len cache), so on
-CUDA it is captured once with ``torch.cuda.CUDAGraph`` and replayed. Reloading weights writes into
-the very tensors the graph reads (see :func:`layerwise.reload_weights`), so the graph is never
-recaptured. On CPU the same step runs eagerly.
+``Engine.generate(prompts, SamplingParams(...))`` schedules any number of prompts through a slot-based KV
+cache (continuous batching, layerwise/scheduler.py), prefills new prompts together in one forward, decodes
+every running sequence in one step (a CUDA graph per captured batch size on CUDA, layerwise/model_runner.py),
+samples each request with its own parameters and generator (layerwise/sampler.py) and stops at EOS, stop
+ids or max_tokens; outputs are vLLM's ``RequestOutput`` / ``CompletionOutput`` / ``Logprob``.
 
 Weights change only between forward steps: every prefill and decode step holds the engine's
 ``weight_update_lock()``, and so do ``reload_weights`` and the weight-sync calls (``update_weights``,
 or ``start_weight_update`` ... ``finish_weight_update``), so an update requested while the engine is
-generating waits for the current step and no forward ever sees a half-written module.
+generating waits for the current step and no forward ever sees a half-written module. Reloading writes
+into the very tensors the captured graphs read (see :func:`layerwise.reload_weights`), so no graph is
+ever recaptured.
 """
 
 from __future__ import annotations
@@ -16,164 +19,376 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from layerwise.api import ReloadReport, Weights, reload_weights
-from layerwise.quant.moe_base import capture_path
+from layerwise.model_runner import ModelRunner
+from layerwise.outputs import RequestOutput
+from layerwise.sampler import SamplingBatch, position_logprobs, sample, token_logprobs
+from layerwise.sampling_params import SamplingParams
+from layerwise.scheduler import Request, Scheduler
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prefill budget (padded tokens per forward) unless max_seq_len is larger
 
 
 class Engine:
-    """Greedy generation over a loaded model.
+    """Generation over a loaded model: vLLM's offline ``LLM.generate`` / ``LLM.chat``, plus weight updates.
 
     Args:
         model: a model from :func:`layerwise.load_model`.
-        max_batch_size: most prompts per ``generate`` call (the captured batch size).
-        max_seq_len: most tokens per sequence, prompt plus generated (the KV cache length).
-        use_cuda_graph: capture the decode step; default: True on CUDA, and never on CPU.
+        max_batch_size: KV cache slots: most sequences decoded together (more prompts wait for a free slot).
+        max_seq_len: most tokens per sequence, prompt plus generated (each slot's length).
+        use_cuda_graph: capture decode steps as CUDA graphs; default: True on CUDA, and never on CPU.
+        tokenizer: a Hugging Face tokenizer for text prompts and outputs, or None (token ids only).
+        eos_token_ids: ids that end a completion unless ``ignore_eos`` (:meth:`from_pretrained` reads the
+            checkpoint's); default none.
+        max_num_batched_tokens: most tokens (padding included) in one prefill forward; default
+            max(2048, max_seq_len).
+        cuda_graph_sizes: the batch sizes captured (default 1, 2, 4, 8, 16, ... up to max_batch_size).
     Raises:
-        ValueError: use_cuda_graph=True on a non-CUDA model.
+        ValueError: use_cuda_graph=True on a non-CUDA model; a size below 1.
     Memory: the KV cache takes 2 x layers x max_batch_size x max_seq_len x kv_heads x head_dim
     elements of the embedding dtype (kv_heads: this rank's, under tensor parallelism).
     Tensor parallelism: every rank of ``model.tp_group`` wraps its shard in an Engine and calls the same
-    methods with the same arguments (each forward step runs collectives over the group).
+    methods with the same arguments (each forward step runs collectives over the group; the group's first
+    rank samples, and the others take its tokens).
     """
 
     def __init__(
-        self, model: nn.Module, max_batch_size: int = 8, max_seq_len: int = 256, use_cuda_graph: bool | None = None
+        self,
+        model: nn.Module,
+        max_batch_size: int = 8,
+        max_seq_len: int = 256,
+        use_cuda_graph: bool | None = None,
+        *,
+        tokenizer=None,
+        eos_token_ids: Sequence[int] = (),
+        max_num_batched_tokens: int | None = None,
+        cuda_graph_sizes: Sequence[int] | None = None,
     ):
+        if max_batch_size < 1 or max_seq_len < 2:
+            raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
         self.model = model
         embed = model.model.embed_tokens.weight
         self.device, self.dtype = embed.device, embed.dtype
-        cfg = model.config
-        attn = model.model.layers[0].self_attn
-        shape = (max_batch_size, max_seq_len, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
         self.use_cuda_graph = use_cuda_graph
-        self._ids = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
-        self._pos = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
-        self._logits: torch.Tensor | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.captures = 0
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_seq_len)
+        self.runner = ModelRunner(model, max_batch_size, max_seq_len, use_cuda_graph, cuda_graph_sizes)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self._weights_lock = threading.Lock()  # held by each forward step and by each weight update
         self._held_update_lock = False  # start_weight_update ... finish/abort hold it across calls
         self._update_owner: int | None = None  # the thread that opened that update
         self.transfer_engine = None  # set by init_weight_transfer_engine
 
     @classmethod
-    def from_pretrained(cls, path, max_batch_size: int = 8, max_seq_len: int = 256, **load_kwargs) -> Engine:
-        """Load ``path`` with :func:`layerwise.load_model` (same keyword arguments) and wrap it."""
+    def from_pretrained(
+        cls, path, max_batch_size: int = 8, max_seq_len: int = 256, *, tokenizer=True, engine_args=None, **load_kwargs
+    ) -> Engine:
+        """Load ``path`` with :func:`layerwise.load_model` (same keyword arguments) and wrap it, with the
+        checkpoint's EOS ids (generation_config.json, else config.json) and its tokenizer.
+
+        Args:
+            tokenizer: True: the checkpoint's tokenizer when the directory has one (needs transformers, the
+                ``text`` extra; a checkpoint without one gives an engine of token ids); False: none; or a
+                tokenizer object to use.
+            engine_args: other keyword arguments of :class:`Engine` (use_cuda_graph, max_num_batched_tokens,
+                cuda_graph_sizes).
+        Raises:
+            what :func:`layerwise.load_model` raises; MissingDependencyError: tokenizer=True, the checkpoint has
+            a tokenizer and transformers is not installed (pass tokenizer=False for token ids only).
+        """
         from layerwise.api import load_model
+        from layerwise.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 
-        return cls(load_model(path, **load_kwargs), max_batch_size, max_seq_len)
+        if tokenizer is True:
+            tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
+        elif tokenizer is False:
+            tokenizer = None
+        eos = eos_token_ids(path)
+        model = load_model(path, **load_kwargs)
+        return cls(model, max_batch_size, max_seq_len, tokenizer=tokenizer, eos_token_ids=eos, **(engine_args or {}))
 
-    def _decode_step(self) -> torch.Tensor:
-        return self.model(self._ids, self._pos, self.kv_caches)[:, -1]
+    # ---- generation (vLLM's offline API) ----
 
-    def _capture(self) -> None:
-        # warm up kernels and allocator outside the graph, on the stream that then captures (a library's
-        # per-stream workspace, cuBLAS's, is then not allocated inside the graph), along the path the capture
-        # takes (MoE layers: every expert; a Triton kernel cannot be loaded while its stream captures)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), capture_path():
-            for _ in range(2):
-                self._decode_step()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
-            self._logits = self._decode_step()
-        self.captures += 1
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far (one per batch size used; reloads and weight updates add none)."""
+        return self.runner.captures
+
+    @property
+    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """The captured decode graphs, by batch size."""
+        return self.runner.graphs
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (k_cache, v_cache) per decoder layer, each [max_batch_size, max_seq_len, kv_heads, head_dim]."""
+        return self.runner.kv_caches
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete every prompt (vLLM's ``LLM.generate``).
+
+        Args:
+            prompts: one prompt or a list of them; a prompt is a string (needs a tokenizer), a list of token
+                ids, ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt) or ``{"prompt": "..."}``; a 2-D
+                integer tensor [B, T] is B token-id prompts. Any number: those beyond the free slots wait.
+            sampling_params: one ``SamplingParams`` for all prompts, a list with one per prompt, or None
+                (``SamplingParams()``: temperature 1, 16 tokens, as vLLM's default).
+            use_tqdm: show a progress bar of finished prompts.
+        Returns:
+            one ``RequestOutput`` per prompt, in order, each with its ``n`` completions. Log-probabilities
+            (``logprobs`` / ``prompt_logprobs``) are of the raw model distribution: float32 log_softmax of the
+            logits the sampler drew from, before temperature, top-k, top-p or min-p (vLLM's default).
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, a prompt of max_seq_len tokens or
+                more, n > max_batch_size, a string prompt without a tokenizer (names the ``text`` extra), a
+                sampling_params list of the wrong length; nothing has run then, and the engine stays usable.
+            TypeError: a prompt of another type.
+        """
+        requests = self._requests(prompts, sampling_params)
+        for _ in self._steps(requests, use_tqdm):
+            pass
+        return [r.output(self._text) for r in requests]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Generate one prompt, yielding its ``RequestOutput`` (cumulative: all tokens so far) after every step;
+        the last one has ``finished=True``. Weight updates may run between yields. Errors as :meth:`generate`."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            raise ValueError("stream takes one prompt; use generate for several")
+        (request,) = self._requests(prompt, sampling_params)
+        for _ in self._steps([request], use_tqdm=False):
+            yield request.output(self._text)
+
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        *,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Complete conversations through the tokenizer's chat template (vLLM's ``LLM.chat``).
+
+        Args:
+            messages: one conversation (a list of ``{"role": ..., "content": ...}``) or a list of them.
+            sampling_params: as in :meth:`generate`.
+            add_generation_prompt: end the prompt with the assistant turn's opening.
+            chat_template: a Jinja template to use instead of the tokenizer's.
+        Returns:
+            one ``RequestOutput`` per conversation; ``prompt`` is the rendered text.
+        Raises:
+            ValueError: no tokenizer, or it has no chat template; the errors of :meth:`generate`.
+        """
+        tokenizer = self._require_tokenizer("chat")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            try:
+                text = tokenizer.apply_chat_template(
+                    conversation,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                )
+            except ValueError as e:  # transformers: "Cannot use chat template functions ... no template"
+                raise ValueError(f"the tokenizer cannot render this chat: {e}") from e
+            prompts.append({"prompt": text, "add_special_tokens": False})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step of every batch row: the step :meth:`generate` runs (a CUDA graph replay on CUDA, captured
-        at the first call), writing each row's key and value at its position in the KV cache.
+        """One decode step of the sequences in slots 0..B-1, the step :meth:`generate` runs (a CUDA graph
+        replay on CUDA), writing each row's key and value at its position in the KV cache.
 
         Args:
-            tokens: int64 [max_batch_size, 1], each row's next input token, on the engine's device.
-            positions: int64 [max_batch_size, 1], their positions (< max_seq_len).
+            tokens: int64 [B, 1] (B <= max_batch_size), each slot's next input token.
+            positions: int64 [B, 1], their positions (< max_seq_len).
         Returns:
-            logits [max_batch_size, vocab] in the model's dtype. With a CUDA graph this is the graph's own output
-            buffer, overwritten by the next call: clone it to keep it.
+            float32 logits [B, vocab]; with a CUDA graph a view of its output buffer, overwritten by the
+            next step of the same size (clone it to keep it).
         """
-        self._ids.copy_(tokens)
-        self._pos.copy_(positions)
-        if not self.use_cuda_graph:
-            return self._decode_step()
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-        return self._logits
+        with self._weights_lock:
+            return self.runner.decode(tokens.view(-1).tolist(), positions.view(-1).tolist())
 
-    @torch.inference_mode()
-    def generate(
-        self, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int
-    ) -> list[list[int]] | torch.Tensor:
-        """Greedy continuation of each prompt.
+    # ---- generation internals ----
 
-        Args:
-            prompts: up to ``max_batch_size`` prompts: a list of token-id lists (lengths may
-                differ), or a 2-D integer tensor [B, T] (every prompt T tokens, any device).
-            max_new_tokens: tokens to generate per prompt (>= 0).
-        Returns:
-            for a list, one list of ``max_new_tokens`` new token ids per prompt; for a tensor, an
-            int64 tensor [B, max_new_tokens] on the prompts' device.
-        Raises:
-            TypeError: prompts are neither a list of int lists nor an integer tensor.
-            ValueError: a tensor that is not 2-D, too many prompts, an empty prompt, a token id
-                outside the vocabulary, or prompt + new tokens > max_seq_len.
-        """
+    def _requests(self, prompts, sampling_params) -> list[Request]:
+        """Check every prompt and parameter before anything runs, and make the requests."""
         self._refuse_nested_update()
-        as_tensor = isinstance(prompts, torch.Tensor)
-        token_lists = _prompt_lists(prompts)
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() != 2 or prompts.is_floating_point() or prompts.is_complex():
+                raise ValueError(
+                    f"a prompt tensor must be a 2-D integer tensor [B, T], got {prompts.dtype} of shape "
+                    f"{tuple(prompts.shape)}"
+                )
+            prompts = prompts.tolist()
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple))
+            and len(prompts) > 0
+            and not isinstance(prompts[0], (str, dict, list, tuple))
+        )
+        prompts = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+            if not all(isinstance(p, SamplingParams) for p in params):
+                raise TypeError("sampling_params must be a SamplingParams or a list of them")
         vocab = self.model.config.vocab_size
-        if not 0 < len(token_lists) <= self.max_batch_size:
-            raise ValueError(f"between 1 and {self.max_batch_size} prompts, got {len(token_lists)}")
-        if any(len(p) == 0 for p in token_lists):
-            raise ValueError("empty prompt")
-        if any(not 0 <= t < vocab for p in token_lists for t in p):
-            raise ValueError(f"a token id is outside the vocabulary [0, {vocab})")
-        if max(len(p) for p in token_lists) + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt + {max_new_tokens} new tokens exceeds max_seq_len={self.max_seq_len}")
-        generated = self._generate(token_lists, max_new_tokens)
-        if as_tensor:
-            return torch.tensor(generated, dtype=torch.long, device=prompts.device).reshape(len(generated), -1)
-        return generated
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            text, ids = self._prompt(prompt, i)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i} holds token id {bad}, outside the vocabulary [0, {vocab})")
+            if len(ids) >= self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens; max_seq_len={self.max_seq_len} leaves no room to generate "
+                    f"(the prompt must be shorter than max_seq_len)"
+                )
+            if p.n > self.max_batch_size:
+                raise ValueError(f"n={p.n} completions do not fit max_batch_size={self.max_batch_size} slots")
+            requests.append(Request(str(i), text, ids, p))
+        return requests
 
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        if max_new_tokens <= 0:
-            return [[] for _ in prompts]
-        b = self.max_batch_size
-        tokens = torch.zeros(b, 1, dtype=torch.long, device=self.device)
-        positions = torch.zeros(b, 1, dtype=torch.long, device=self.device)
-        for i, prompt in enumerate(prompts):  # prefill one sequence at a time into its cache row
-            ids = torch.tensor([prompt], device=self.device)
-            pos = torch.arange(len(prompt), device=self.device)[None]
-            caches = [(k[i : i + 1], v[i : i + 1]) for k, v in self.kv_caches]
-            with self._weights_lock:
-                tokens[i, 0] = self.model(ids, pos, caches)[0, -1].argmax()
-            positions[i, 0] = len(prompt)
-        out = [tokens[:, 0].clone()]
-        for _ in range(max_new_tokens - 1):  # rows past len(prompts) decode padding and are ignored
-            with self._weights_lock:
-                tokens = self.decode(tokens, positions).argmax(-1, keepdim=True)
-            positions = positions + 1
-            out.append(tokens[:, 0].clone())
-        generated = torch.stack(out, dim=1).tolist()
-        return [generated[i] for i in range(len(prompts))]
+    def _prompt(self, prompt, index: int) -> tuple[str | None, list[int]]:
+        add_special_tokens = True
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                add_special_tokens = prompt.get("add_special_tokens", True)
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            tokenizer = self._require_tokenizer("a text prompt")
+            return prompt, list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+        try:
+            return None, [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
+        except TypeError as e:
+            raise TypeError(f"prompt {index} must be a string, token ids or a dict: {e}") from e
+
+    def _require_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            from layerwise.optional import install_hint
+
+            raise ValueError(
+                f"{what} needs a tokenizer, and this engine has none: pass token ids, or load a checkpoint with "
+                f"tokenizer files through Engine.from_pretrained (needs transformers: {install_hint('text')})"
+            )
+        return self.tokenizer
+
+    def _text(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
+        """Run the requests to their end, one forward step per iteration."""
+        from tqdm.auto import tqdm
+
+        for request in requests:
+            request.start(self.max_seq_len, self.device)
+        scheduler = Scheduler(requests, self.max_batch_size, self.max_num_batched_tokens)
+        done = 0
+        with tqdm(total=len(requests), desc="generate", unit="prompt", disable=not use_tqdm) as bar:
+            while scheduler.has_work():
+                admitted = scheduler.admit()
+                if admitted:
+                    self._prefill(scheduler, admitted)
+                else:
+                    self._decode(scheduler)
+                for src, dst, length in scheduler.retire():
+                    self.runner.copy_slot(src, dst, length)
+                finished = sum(r.finished for r in requests)
+                bar.update(finished - done)
+                done = finished
+                yield
+
+    def _prefill(self, scheduler: Scheduler, admitted: list[Request]) -> None:
+        first = len(scheduler.running)
+        prompts = [r.prompt_token_ids for r in admitted]
+        full_rows = [i for i, r in enumerate(admitted) if r.params.prompt_logprobs is not None]
+        with self._weights_lock:
+            logits, full = self.runner.prefill(prompts, first, full_rows)
+        for i, row_logits in full.items():
+            admitted[i].prompt_logprobs = self._prompt_logprobs(admitted[i], row_logits)
+        placed = scheduler.place(admitted)
+        for slot, (seq, row) in enumerate(placed[len(admitted) :], start=first + len(admitted)):
+            self.runner.copy_slot(first + row, slot, len(seq.request.prompt_token_ids))
+        rows = torch.tensor([row for _, row in placed], device=logits.device)
+        self._sample([seq for seq, _ in placed], logits.index_select(0, rows))
+
+    def _decode(self, scheduler: Scheduler) -> None:
+        seqs = scheduler.running
+        tokens = [s.token_ids[-1] for s in seqs]
+        positions = [s.length - 1 for s in seqs]
+        with self._weights_lock:
+            logits = self.runner.decode(tokens, positions)
+        self._sample(seqs, logits)
+
+    def _sample(self, seqs, logits: torch.Tensor) -> None:
+        """Draw each sequence's next token from float32 ``logits`` [len(seqs), vocab] and append it."""
+        batch = SamplingBatch.of([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+        tokens = self._agree(sample(logits, batch))
+        entries = [None] * len(seqs)
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if wanted:
+            rows = torch.tensor(wanted, device=logits.device)
+            top = max(seqs[i].params.logprobs for i in wanted)
+            values, ranks, top_ids, top_values = token_logprobs(
+                torch.log_softmax(logits.index_select(0, rows), -1), tokens.index_select(0, rows), top
+            )
+            chosen = tokens.index_select(0, rows).tolist()
+            name = self._token_text if self.tokenizer is not None else None
+            for j, i in enumerate(wanted):
+                k = seqs[i].params.logprobs
+                entries[i] = position_logprobs(chosen[j], values[j], ranks[j], top_ids[j][:k], top_values[j][:k], name)
+        for seq, token, entry in zip(seqs, tokens.tolist(), entries, strict=True):
+            seq.append(token, entry, self.eos_token_ids)
+
+    def _prompt_logprobs(self, request: Request, logits: torch.Tensor) -> list:
+        """Entries for prompt tokens 1..len-1 from float32 ``logits`` [len - 1, vocab] (the first is None)."""
+        ids = request.prompt_token_ids
+        if len(ids) == 1:
+            return [None]
+        targets = torch.tensor(ids[1:], device=logits.device)
+        top = request.params.prompt_logprobs
+        values, ranks, top_ids, top_values = token_logprobs(torch.log_softmax(logits, -1), targets, top)
+        name = self._token_text if self.tokenizer is not None else None
+        return [None] + [
+            position_logprobs(t, values[j], ranks[j], top_ids[j], top_values[j], name) for j, t in enumerate(ids[1:])
+        ]
+
+    def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism, every rank takes the tokens the group's first rank drew (the ranks' own RNG
+        streams differ)."""
+        tp = getattr(self.model, "tp", None)
+        if tp is None or tp.size == 1:
+            return tokens
+        import torch.distributed as dist
+
+        dist.broadcast(tokens, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+        return tokens
 
     @contextlib.contextmanager
     def weight_update_lock(self):
@@ -297,18 +512,3 @@ class Engine:
         if self._held_update_lock:
             self._held_update_lock, self._update_owner = False, None
             self._weights_lock.release()
-
-
-def _prompt_lists(prompts) -> list[list[int]]:
-    """Prompts as lists of Python ints, from a list of int sequences or a 2-D integer tensor."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.is_floating_point() or prompts.is_complex():
-            raise ValueError(
-                f"a prompt tensor must be a 2-D integer tensor [B, T], got {prompts.dtype} "
-                f"of shape {tuple(prompts.shape)}"
-            )
-        return prompts.tolist()
-    try:
-        return [[operator.index(t) for t in p] for p in prompts]  # ints, numpy ints, 0-d int tensors
-    except TypeError as e:
-        raise TypeError(f"prompts must be a list of token-id lists (ints) or a 2-D integer tensor: {e}") from e

@@ -337,6 +337,7 @@ def run_sync_demo(
     from layerwise.api import load_model
     from layerwise.demo import demo_checkpoint
     from layerwise.engine import Engine
+    from layerwise.sampling_params import SamplingParams
 
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
@@ -348,7 +349,8 @@ def run_sync_demo(
 
     path = Path(checkpoint) if checkpoint is not None else demo_checkpoint(cache_dir)
     engine = Engine.from_pretrained(path, max_batch_size=1, max_seq_len=len(PROMPT) + tokens, quantization="fp8")
-    tokens_before = engine.generate([PROMPT], tokens)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    tokens_before = engine.generate([PROMPT], greedy)[0].outputs[0].token_ids
     pointers = kernel_pointers(engine.model)
 
     ctx = mp.get_context("spawn")
@@ -381,7 +383,7 @@ def run_sync_demo(
         finally:
             engine.shutdown_weight_transfer()
             stop_process(trainer, timeout_seconds if done else 1.0)  # after a failure: no need to wait
-        tokens_after = engine.generate([PROMPT], tokens)[0]
+        tokens_after = engine.generate([PROMPT], greedy)[0].outputs[0].token_ids
         now = kernel_pointers(engine.model)
         kept = sum(now.get(name) == ptr for name, ptr in pointers.items())
         equal = same_tensors(engine.model, load_model(check_dir, quantization="fp8"))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from layerwise.api import load_model, load_model_with_report
 from layerwise.engine import Engine
+from layerwise.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
             global_scales=True,
             track_memory=False,
         )
-        tokens = Engine(model, max_batch_size=1, max_seq_len=len(prompt) + args.tokens).generate([prompt], args.tokens)
+        greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+        engine = Engine(model, max_batch_size=1, max_seq_len=len(prompt) + args.tokens)
+        tokens = [out.outputs[0].token_ids for out in engine.generate([prompt], greedy)]
         reads = [None] * world
         dist.all_gather_object(reads, report.bytes_read, group=group)
         if rank == 0:
@@ -67,9 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"bytes read per rank: {reads} (checkpoint: {report.checkpoint_bytes})")
             if args.compare:
                 single = load_model(path, quantization=args.quantization, device=device, dtype=args.dtype)
-                expected = Engine(single, max_batch_size=1, max_seq_len=len(prompt) + args.tokens).generate(
-                    [prompt], args.tokens
-                )
+                reference = Engine(single, max_batch_size=1, max_seq_len=len(prompt) + args.tokens)
+                expected = [out.outputs[0].token_ids for out in reference.generate([prompt], greedy)]
                 print(f"tp=1 {args.quantization} tokens: {expected[0]}")
                 print(f"same: {tokens == expected}")
         dist.barrier(group=group)

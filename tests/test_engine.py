@@ -1,10 +1,13 @@
-"""layerwise/engine.py: what Engine.generate accepts, against a full recompute without the KV cache."""
+"""layerwise/engine.py: what Engine.generate accepts, against a full recompute without the KV cache, and
+weight updates between forward steps."""
 
 import pytest
 import torch
 
 from layerwise.demo import greedy_tokens, write_checkpoint
 from layerwise.engine import Engine
+from layerwise.sampling_params import SamplingParams
+from tests.engine_helpers import greedy
 from tests.test_errors import TINY
 
 
@@ -14,32 +17,34 @@ def engine(tmp_path_factory):
     return Engine.from_pretrained(path, max_batch_size=3, max_seq_len=24)
 
 
-def test_lists_and_a_long_tensor_give_the_same_tokens(engine):
+def test_prompt_forms_give_the_same_tokens(engine):
+    """Token lists, vLLM's TokensPrompt dicts, a 2-D tensor and a single prompt: the same greedy tokens, equal to
+    a full recompute without the cache."""
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6]]
-    as_lists = engine.generate(prompts, 5)
-    as_tensor = engine.generate(torch.tensor(prompts), 5)
+    as_lists = greedy(engine, prompts, 5)
     assert as_lists == [greedy_tokens(engine.model, p, 5) for p in prompts]
-    assert isinstance(as_tensor, torch.Tensor) and as_tensor.dtype == torch.long and as_tensor.shape == (2, 5)
-    assert as_tensor.tolist() == as_lists
-    assert engine.generate(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), 0).shape == (2, 0)
+    assert greedy(engine, torch.tensor(prompts, dtype=torch.int32), 5) == as_lists
+    assert greedy(engine, [{"prompt_token_ids": p} for p in prompts], 5) == as_lists
+    assert greedy(engine, prompts[1], 5) == as_lists[1:]
+    assert engine.generate([]) == []
 
 
 @pytest.mark.parametrize(
-    "prompts,error",
+    "prompts,error,match",
     [
-        ([[1.5, 2]], TypeError),
-        ("abc", TypeError),
-        (torch.ones(2, 3), ValueError),
-        (torch.ones(3, dtype=torch.long), ValueError),
-        ([[1, 64]], ValueError),
-        ([[]], ValueError),
-        ([[1]] * 4, ValueError),
-        ([[1] * 20], ValueError),
+        ([[1.5, 2]], TypeError, "prompt 0"),
+        ("abc", ValueError, "tokenizer"),  # no tokenizer in this checkpoint
+        (torch.ones(2, 3), ValueError, "2-D integer"),
+        ([[1, 64]], ValueError, "token id 64"),
+        ([[1], []], ValueError, "prompt 1 is empty"),
+        ([[1] * 24], ValueError, "max_seq_len"),
+        ([{"tokens": [1]}], ValueError, "prompt_token_ids"),
     ],
 )
-def test_bad_prompts_are_clear_errors(engine, prompts, error):
-    with pytest.raises(error):
-        engine.generate(prompts, 5)
+def test_bad_prompts_are_clear_errors(engine, prompts, error, match):
+    with pytest.raises(error, match=match):
+        engine.generate(prompts, SamplingParams(max_tokens=5))
+    assert greedy(engine, [[1, 2]], 2) == [greedy_tokens(engine.model, [1, 2], 2)]  # still usable
 
 
 def test_an_update_while_generating_waits_for_the_current_step(tmp_path, monkeypatch):
@@ -77,7 +82,7 @@ def test_an_update_while_generating_waits_for_the_current_step(tmp_path, monkeyp
     def generate_forever():
         try:
             while not stop.is_set():
-                engine.generate([[1, 2, 3], [4, 5]], 12)
+                greedy(engine, [[1, 2, 3], [4, 5]], 12)
         except BaseException as e:  # surfaced in the main thread
             errors.append(e)
 
@@ -97,7 +102,7 @@ def test_an_update_while_generating_waits_for_the_current_step(tmp_path, monkeyp
     assert not thread.is_alive() and not errors
     assert overlaps == []
     fresh = Engine.from_pretrained(b, max_batch_size=2, max_seq_len=24)
-    assert engine.generate([[1, 2, 3]], 6) == fresh.generate([[1, 2, 3]], 6)
+    assert greedy(engine, [[1, 2, 3]], 6) == greedy(fresh, [[1, 2, 3]], 6)
 
 
 def test_start_weight_update_holds_generation_until_finish(tmp_path):
@@ -108,7 +113,7 @@ def test_start_weight_update_holds_generation_until_finish(tmp_path):
     engine = Engine.from_pretrained(a, max_batch_size=1, max_seq_len=24)
     update = engine.start_weight_update(is_checkpoint_format=True)
     result = []
-    thread = threading.Thread(target=lambda: result.append(engine.generate([[1, 2, 3]], 4)), daemon=True)
+    thread = threading.Thread(target=lambda: result.append(greedy(engine, [[1, 2, 3]], 4)), daemon=True)
     thread.start()
     thread.join(timeout=0.5)
     assert thread.is_alive() and not result  # waiting for the update
@@ -119,7 +124,7 @@ def test_start_weight_update_holds_generation_until_finish(tmp_path):
     thread.join(timeout=60)
     assert result and "model.layers.1.mlp.gate_up_proj" in report.updated_modules
     fresh = Engine.from_pretrained(b, max_batch_size=1, max_seq_len=24)
-    assert result[0] == fresh.generate([[1, 2, 3]], 4)
+    assert result[0] == greedy(fresh, [[1, 2, 3]], 4)
 
 
 def test_the_thread_that_opened_an_update_gets_an_error_not_a_deadlock(tmp_path):
@@ -127,11 +132,11 @@ def test_the_thread_that_opened_an_update_gets_an_error_not_a_deadlock(tmp_path)
     engine = Engine.from_pretrained(a, max_batch_size=1, max_seq_len=24)
     engine.start_weight_update(is_checkpoint_format=True)
     for call in (
-        lambda: engine.generate([[1, 2]], 2),
+        lambda: greedy(engine, [[1, 2]], 2),
         lambda: engine.reload_weights(a),
         lambda: engine.start_weight_update(),
     ):
         with pytest.raises(RuntimeError, match="finish_weight_update"):
             call()
     engine.abort_weight_update()
-    assert len(engine.generate([[1, 2]], 2)[0]) == 2  # usable again
+    assert len(greedy(engine, [[1, 2]], 2)[0]) == 2  # usable again

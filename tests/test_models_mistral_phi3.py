@@ -11,6 +11,7 @@ import layerwise
 from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
 from layerwise.layers.attention import cached_attention, causal_attention
+from tests.engine_helpers import greedy
 from tests.hf_checkpoints import hf_logits, sqnr_db, write_hf_checkpoint
 
 WINDOW = 8  # hf_config's sliding_window for both architectures
@@ -134,7 +135,7 @@ def test_engine_kv_cache_matches_full_recompute_beyond_the_window(checkpoints, n
     engine = Engine.from_pretrained(checkpoints[name], max_batch_size=2, max_seq_len=32)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1]]
     new = 14  # the longer sequence reaches 24 tokens, three windows
-    assert engine.generate(prompts, new) == [greedy_tokens(engine.model, p, new) for p in prompts]
+    assert greedy(engine, prompts, new) == [greedy_tokens(engine.model, p, new) for p in prompts]
 
 
 def test_window_changes_logits_only_beyond_it(checkpoints):

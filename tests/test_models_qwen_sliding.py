@@ -8,6 +8,7 @@ import torch
 
 import layerwise
 from layerwise.engine import Engine
+from tests.engine_helpers import greedy
 from tests.hf_checkpoints import hf_logits, write_hf_checkpoint
 
 WINDOW = 4
@@ -65,7 +66,7 @@ def test_engine_kv_cache_matches_full_recompute_beyond_the_window(windowed):
     engine = Engine.from_pretrained(windowed, max_batch_size=2, max_seq_len=32, dtype=torch.float32)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1]]
     new = 10
-    assert engine.generate(prompts, new) == [greedy_tokens(engine.model, p, new) for p in prompts]
+    assert greedy(engine, prompts, new) == [greedy_tokens(engine.model, p, new) for p in prompts]
 
 
 @pytest.mark.parametrize("drop", [("layer_types", "max_window_layers"), ("layer_types", "use_sliding_window")])

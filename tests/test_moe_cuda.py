@@ -9,6 +9,7 @@ import torch
 import layerwise
 from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
+from tests.engine_helpers import greedy
 from tests.hf_checkpoints import MOE_ARCHS, hf_logits, sqnr_db, write_hf_checkpoint
 from tests.moe_helpers import as_bytes, checkpoint_pair, moe_block
 
@@ -67,26 +68,26 @@ def test_cuda_graph_decode_equals_eager_and_survives_reload(pair, scheme):
     graph_engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32, device="cuda", quantization=scheme)
     eager = Engine(graph_engine.model, max_batch_size=2, max_seq_len=32, use_cuda_graph=False)
     # prefill (eager in both) and one decode step; the graph engine captures it
-    assert len(graph_engine.generate(prompts, 2)[0]) == 2 and graph_engine.captures == 1
-    eager.generate(prompts, 2)
-    ids, pos = graph_engine._ids.clone(), graph_engine._pos.clone()
-    assert torch.equal(ids, eager._ids)  # equal prefill tokens, so equal caches and inputs for the step
+    assert len(greedy(graph_engine, prompts, 2)[0]) == 2 and graph_engine.captures == 1
+    greedy(eager, prompts, 2)
+    ids, pos = graph_engine.runner._ids[:2].clone(), graph_engine.runner._pos[:2].clone()
+    assert torch.equal(ids, eager.runner._ids[:2])  # equal prefill tokens, so equal caches and inputs for the step
     with torch.no_grad():
         eager_logits = eager.decode(ids, pos).float().clone()
         graph_logits = graph_engine.decode(ids, pos).float().clone()
     db = sqnr_db(eager_logits.cpu(), graph_logits.cpu())
     print(f"{arch} {scheme}: captured vs eager decode logits {db:.1f} dB")
     assert db >= CAPTURE_SQNR_DB[scheme], f"{arch} {scheme}: captured vs eager {db:.1f} dB"
-    before = graph_engine.generate(prompts, 6)
+    before = greedy(graph_engine, prompts, 6)
     experts = moe_block(graph_engine.model, 1).experts
     ptrs = {n: t.data_ptr() for n, t in experts.named_parameters()}
     graph_engine.reload_weights(b)
     assert {n: t.data_ptr() for n, t in experts.named_parameters()} == ptrs
-    after = graph_engine.generate(prompts, 6)
+    after = greedy(graph_engine, prompts, 6)
     assert graph_engine.captures == 1 and after != before
     # the replayed graph reads the reloaded weights: a fresh load of b, captured the same way, agrees
     fresh = Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, device="cuda", quantization=scheme)
-    assert after == fresh.generate(prompts, 6)
+    assert after == greedy(fresh, prompts, 6)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -12,6 +12,7 @@ import layerwise
 from layerwise.api import model_digest
 from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
+from tests.engine_helpers import greedy
 from tests.hf_checkpoints import MOE_ARCHS
 from tests.moe_helpers import MOE_NAMES, as_bytes, checkpoint_pair, load_from_stream, moe_block
 
@@ -381,12 +382,12 @@ def test_engine_generates_and_reloads(pair):
         pytest.skip("one architecture is enough for the engine (the forward of both is tested against transformers)")
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32, quantization="fp8")
-    before = engine.generate(prompts, 6)
+    before = greedy(engine, prompts, 6)
     snap = _snapshot(engine.model)
     engine.reload_weights(b)
     _assert_in_place(engine.model, snap)
-    after = engine.generate(prompts, 6)
-    assert after == Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, quantization="fp8").generate(prompts, 6)
+    after = greedy(engine, prompts, 6)
+    assert after == greedy(Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, quantization="fp8"), prompts, 6)
     assert after != before
 
 

@@ -11,6 +11,7 @@ from layerwise.checkpoint import Checkpoint
 from layerwise.engine import Engine
 from layerwise.memory import DeviceMemoryTracker
 from layerwise.reload import release_staging, staging_bytes
+from tests.engine_helpers import greedy
 from tests.hf_checkpoints import write_hf_checkpoint
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM"]  # Qwen2 here is tied, Qwen3 untied
@@ -268,12 +269,12 @@ def test_engine_output_after_reload_equals_fresh_engine(pair):
     a, b = pair
     prompts = [[1, 2, 3, 4], [9, 8, 7], [5]]
     engine = Engine.from_pretrained(a, max_batch_size=4, max_seq_len=32)
-    before = engine.generate(prompts, 6)
+    before = greedy(engine, prompts, 6)
     snap = _snapshot(engine.model)
     engine.reload_weights(b)
     _assert_in_place(engine.model, snap)
-    after = engine.generate(prompts, 6)
-    assert after == Engine.from_pretrained(b, max_batch_size=4, max_seq_len=32).generate(prompts, 6)
+    after = greedy(engine, prompts, 6)
+    assert after == greedy(Engine.from_pretrained(b, max_batch_size=4, max_seq_len=32), prompts, 6)
     assert after != before
 
 
@@ -283,14 +284,14 @@ def test_cuda_graph_survives_reload(pair):
     a, b = pair
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32, device="cuda")
-    before = engine.generate(prompts, 6)
-    graph, snap = engine.graph, _snapshot(engine.model)
+    before = greedy(engine, prompts, 6)
+    graphs, snap = dict(engine.graphs), _snapshot(engine.model)
     engine.reload_weights(b)
     _assert_in_place(engine.model, snap)
-    after = engine.generate(prompts, 6)
-    assert engine.graph is graph and engine.captures == 1
+    after = greedy(engine, prompts, 6)
+    assert engine.graphs == graphs and engine.captures == 1  # the same graph objects, none recaptured
     fresh = Engine.from_pretrained(b, max_batch_size=2, max_seq_len=32, device="cuda")
-    assert after == fresh.generate(prompts, 6) and after != before
+    assert after == greedy(fresh, prompts, 6) and after != before
 
 
 def test_engine_kv_cache_matches_full_recompute(pair):
@@ -299,7 +300,7 @@ def test_engine_kv_cache_matches_full_recompute(pair):
     a, _ = pair
     engine = Engine.from_pretrained(a, max_batch_size=2, max_seq_len=32)
     prompts = [[3, 1, 4, 1, 5], [2, 7]]
-    assert engine.generate(prompts, 5) == [greedy_tokens(engine.model, p, 5) for p in prompts]
+    assert greedy(engine, prompts, 5) == [greedy_tokens(engine.model, p, 5) for p in prompts]
 
 
 @pytest.mark.parametrize("name", ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"])

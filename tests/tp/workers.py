@@ -7,6 +7,7 @@ import torch
 import layerwise
 from layerwise.api import load_model_with_report
 from layerwise.engine import Engine
+from tests.engine_helpers import greedy
 
 STATE: dict = {}  # per worker process: objects kept between calls (an engine)
 
@@ -81,7 +82,7 @@ def engine_update_and_compare(group, update_info, expected_path, prompt):
     fresh = layerwise.load_model(expected_path, quantization="fp8", tp_group=group, global_scales=True)
     ours, theirs = _tensors(engine.model), _tensors(fresh)
     same = ours.keys() == theirs.keys() and all(torch.equal(_bytes(ours[n]), _bytes(theirs[n])) for n in ours)
-    tokens = engine.generate([prompt], max_new_tokens=4)
+    tokens = greedy(engine, [prompt], 4)
     engine.shutdown_weight_transfer()
     kept = ptrs == {n: t.data_ptr() for n, t in engine.model.named_parameters()}
     return {"equal": same, "ptrs_kept": kept, "tokens": tokens}

@@ -9,6 +9,7 @@ import torch
 import layerwise
 from layerwise.engine import Engine
 from layerwise.transfer import WeightTransferEngineFactory, tensor_metadata, update_weights
+from tests.engine_helpers import greedy
 from tests.transfer.harness import (
     SCHEMES,
     Trainer,
@@ -87,7 +88,7 @@ def test_captured_cuda_graph_stays_valid_across_updates(ckpts):
         use_cuda_graph=True,
     )
     prompts = [[1, 2, 3], [4, 5]]
-    engine.generate(prompts, 8)
+    greedy(engine, prompts, 8)
     for path in (ckpts["b"], ckpts["a"], ckpts["b"]):
         tensors = checkpoint_tensors(path)
         update_weights(engine, LoopbackEngine(tensors), request(tensors))
@@ -97,5 +98,5 @@ def test_captured_cuda_graph_stays_valid_across_updates(ckpts):
             max_seq_len=32,
             use_cuda_graph=False,
         )
-        assert engine.generate(prompts, 8) == fresh.generate(prompts, 8)
+        assert greedy(engine, prompts, 8) == greedy(fresh, prompts, 8)
     assert engine.captures == 1

@@ -1,0 +1,78 @@
+"""What ``Engine.generate`` returns: vLLM's ``RequestOutput``, ``CompletionOutput`` and ``Logprob``, same fields.
+
+Code that reads vLLM's offline outputs (``out.outputs[0].token_ids``, ``.logprobs[t][token_id].logprob``,
+``.finish_reason``) reads these unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the raw model distribution (float32 log_softmax of the logits).
+
+    Attributes:
+        logprob: natural log of the probability, <= 0.
+        rank: 1-based rank of the token among the vocabulary (1: the most likely).
+        decoded_token: the token's text when the engine has a tokenizer, else None.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one position's entry: the sampled (or prompt) token and the requested top-k, token id -> Logprob
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt.
+
+    Attributes:
+        index: which of the request's ``n`` completions (0-based).
+        text: the generated tokens' text, special tokens skipped ("" without a tokenizer).
+        token_ids: the generated ids, the stop or EOS id included when one ended it.
+        cumulative_logprob: sum of the sampled tokens' log-probabilities; None unless logprobs were requested.
+        logprobs: None unless ``SamplingParams.logprobs`` was set; else one dict per generated token holding
+            the sampled token and the ``logprobs`` most likely ones.
+        finish_reason: "stop" (EOS or a stop id), "length" (max_tokens or the context), None while running.
+        stop_reason: the stop id that ended it, None for EOS, length or while running (vLLM's meaning).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+    def finished(self) -> bool:
+        """Whether the completion has ended."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A prompt and its completions.
+
+    Attributes:
+        request_id: the prompt's index in the ``generate`` call, as a string (vLLM's offline ids count up too).
+        prompt: the prompt text, None for a token-id prompt.
+        prompt_token_ids: the prompt's ids.
+        prompt_logprobs: None unless requested; else one entry per prompt token, the first None (nothing
+            predicts it), each later one holding that prompt token and the ``prompt_logprobs`` most likely.
+        outputs: the ``n`` completions, by index.
+        finished: whether every completion has ended.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
