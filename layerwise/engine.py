@@ -17,6 +17,7 @@ ever recaptured.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import operator
 import threading
 from collections.abc import Iterator, Sequence
@@ -83,6 +84,7 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_seq_len)
         self.runner = ModelRunner(model, max_batch_size, max_seq_len, use_cuda_graph, cuda_graph_sizes)
         self.tokenizer = tokenizer
+        self._no_tokenizer_reason: str | None = None  # from_pretrained: why the checkpoint's tokenizer is not here
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self._weights_lock = threading.Lock()  # held by each forward step and by each weight update
         self._held_update_lock = False  # start_weight_update ... finish/abort hold it across calls
@@ -91,31 +93,56 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, path, max_batch_size: int = 8, max_seq_len: int = 256, *, tokenizer=True, engine_args=None, **load_kwargs
+        cls,
+        path,
+        max_batch_size: int = 8,
+        max_seq_len: int = 256,
+        *,
+        tokenizer=True,
+        use_cuda_graph: bool | None = None,
+        max_num_batched_tokens: int | None = None,
+        cuda_graph_sizes: Sequence[int] | None = None,
+        **load_kwargs,
     ) -> Engine:
-        """Load ``path`` with :func:`layerwise.load_model` (same keyword arguments) and wrap it, with the
-        checkpoint's EOS ids (generation_config.json, else config.json) and its tokenizer.
+        """Load ``path`` with :func:`layerwise.load_model` (``load_kwargs``: its keyword arguments) and wrap it, with
+        the checkpoint's EOS ids (generation_config.json, else config.json) and its tokenizer.
 
         Args:
-            tokenizer: True: the checkpoint's tokenizer when the directory has one (needs transformers, the
-                ``text`` extra; a checkpoint without one gives an engine of token ids); False: none; or a
-                tokenizer object to use.
-            engine_args: other keyword arguments of :class:`Engine` (use_cuda_graph, max_num_batched_tokens,
-                cuda_graph_sizes).
+            tokenizer: True: the checkpoint's tokenizer when the directory has one and transformers (the ``text``
+                extra) is installed, else none (an engine of token ids; a string prompt then raises, naming the
+                extra); False: none; or a tokenizer object to use.
+            max_batch_size, max_seq_len, use_cuda_graph, max_num_batched_tokens, cuda_graph_sizes: as
+                :class:`Engine`.
         Raises:
-            what :func:`layerwise.load_model` raises; MissingDependencyError: tokenizer=True, the checkpoint has
-            a tokenizer and transformers is not installed (pass tokenizer=False for token ids only).
+            what :func:`layerwise.load_model` raises; CheckpointError: the checkpoint's tokenizer files do not load.
         """
         from layerwise.api import load_model
         from layerwise.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 
+        missing = None  # why a checkpoint with a tokenizer gives an engine without one
         if tokenizer is True:
-            tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
+            tokenizer = None
+            if has_tokenizer(path):
+                if importlib.util.find_spec("transformers") is None:
+                    missing = f"{path} has a tokenizer, but transformers is not installed"
+                else:
+                    tokenizer = load_tokenizer(path)
         elif tokenizer is False:
             tokenizer = None
         eos = eos_token_ids(path)
         model = load_model(path, **load_kwargs)
-        return cls(model, max_batch_size, max_seq_len, tokenizer=tokenizer, eos_token_ids=eos, **(engine_args or {}))
+        engine = cls(
+            model,
+            max_batch_size,
+            max_seq_len,
+            use_cuda_graph,
+            tokenizer=tokenizer,
+            eos_token_ids=eos,
+            max_num_batched_tokens=max_num_batched_tokens,
+            cuda_graph_sizes=cuda_graph_sizes,
+        )
+        engine._no_tokenizer_reason = missing
+        return engine
 
     # ---- generation (vLLM's offline API) ----
 
@@ -288,9 +315,10 @@ class Engine:
         if self.tokenizer is None:
             from layerwise.optional import install_hint
 
+            reason = self._no_tokenizer_reason or "this engine has none"
             raise ValueError(
-                f"{what} needs a tokenizer, and this engine has none: pass token ids, or load a checkpoint with "
-                f"tokenizer files through Engine.from_pretrained (needs transformers: {install_hint('text')})"
+                f"{what} needs a tokenizer, and {reason}: pass token ids, or load a checkpoint with tokenizer files "
+                f"through Engine.from_pretrained with transformers installed ({install_hint('text')})"
             )
         return self.tokenizer
 
