@@ -225,3 +225,23 @@ def test_vllm_defaults_and_names():
     assert layerwise.SamplingParams is SamplingParams and layerwise.RequestOutput.__name__ == "RequestOutput"
     with pytest.raises(TypeError):
         SamplingParams(best_of=2)  # a vLLM field this engine does not implement is refused, not ignored
+
+
+def test_the_padded_graph_path_gives_transformers_tokens(ckpt, hf):
+    """The CUDA-graph decode path on the CPU: each step padded up to a capture size over the full-length cache, the
+    replay stood in for by the same step run eagerly into the graph's output buffer (what replay computes)."""
+    from types import SimpleNamespace
+
+    engine = Engine.from_pretrained(ckpt, max_batch_size=8, max_seq_len=40, quantization=None, dtype=torch.float32)
+    runner = engine.runner
+
+    def capture(size):
+        out = runner._graph_logits[size] = runner._step(size, runner.max_seq_len)
+        runner.graphs[size] = SimpleNamespace(replay=lambda: out.copy_(runner._step(size, runner.max_seq_len)))
+        runner.captures += 1
+
+    runner.use_cuda_graph, runner._capture = True, capture
+    outputs = engine.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS])
+    for prompt, n, out in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n), prompt
+    assert set(engine.graphs) <= {1, 2, 4, 8} and 8 in engine.graphs and len(engine.graphs) >= 2
