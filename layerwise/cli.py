@@ -1,5 +1,5 @@
-"""Command line: ``layerwise load PATH``, ``layerwise demo``, ``layerwise reload [PATH_A PATH_B]``,
-``layerwise sync-demo [PATH]``, ``layerwise bench``.
+"""Command line: ``layerwise load PATH``, ``layerwise generate PATH``, ``layerwise demo``,
+``layerwise reload [PATH_A PATH_B]``, ``layerwise sync-demo [PATH]``, ``layerwise bench``.
 
 Expected errors (a bad path or option, a bad checkpoint, a missing optional package, no GPU) print
 one or two lines on stderr naming the file, tensor key or option and what to do, and exit with 2
@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -169,16 +170,214 @@ def _load(args) -> int:
 
 
 def _demo(args) -> int:
-    from layerwise.demo import PROMPT, demo_checkpoint, greedy_tokens
+    from layerwise.demo import PROMPT, PROMPT_TEXT, demo_checkpoint
+    from layerwise.engine import Engine
+    from layerwise.sampling_params import SamplingParams
+    from layerwise.tokenizer import eos_token_ids, load_tokenizer
 
+    if args.tokens < 1:
+        raise UsageError(f"--tokens {args.tokens}: give at least 1")
     _device(args.device)
     path = demo_checkpoint(args.cache_dir)
     print(f"demo checkpoint (random BF16 Qwen3, generated locally): {path}")
     model, report = load_model_with_report(path, "fp8", args.device, progress=True)
     print(format_report(report))
-    tokens = greedy_tokens(model, PROMPT, args.tokens)
+    try:
+        tokenizer = load_tokenizer(path)
+    except MissingDependencyError:
+        tokenizer = None
+    engine = Engine(model, 1, 32 + args.tokens, tokenizer=tokenizer, eos_token_ids=eos_token_ids(path))
+    tokens = _greedy(engine, [PROMPT], args.tokens)[0]
     print(f"greedy tokens after prompt {PROMPT}: {tokens}")
+    if tokenizer is None:
+        print("sampled text: skipped, transformers is not installed (pip install 'layerwise[text]')")
+        return 0
+    (output,) = engine.generate(PROMPT_TEXT, SamplingParams(max_tokens=args.tokens, seed=0))
+    print(f"sampled text after {PROMPT_TEXT!r} (seed 0): {output.outputs[0].text!r}")
+    print(
+        f"  (random weights, so the text is noise; the tokenizer knows {len(tokenizer)} of the "
+        f"{model.config.vocab_size} ids, the others print nothing)"
+    )
     return 0
+
+
+def _greedy(engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """``tokens`` greedy tokens after each prompt, EOS ignored (the demos compare fixed-length outputs)."""
+    from layerwise.sampling_params import SamplingParams
+
+    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def _generate(args) -> int:
+    """``layerwise generate``: complete the prompts; one prompt streams, several show a progress bar."""
+    path = _checkpoint_dir(args.path, "PATH")
+    _device(args.device)
+    prompts = _prompts(args)
+    params = _sampling_params(args)
+    _engine_sizes(args)
+    tokenizer = _generate_tokenizer(path, prompts, args.chat)
+    if args.chat:
+        prompts = [_chat_prompt(tokenizer, text) for text in prompts]
+    from layerwise.engine import Engine
+
+    max_batch_size = args.max_batch_size or max(args.n, min(8, len(prompts) * args.n))
+    engine = Engine.from_pretrained(
+        path,
+        max_batch_size=max_batch_size,
+        max_seq_len=args.max_seq_len,
+        tokenizer=tokenizer if tokenizer is not None else False,
+        quantization=args.quantization,
+        device=args.device,
+    )
+    if len(prompts) == 1 and args.n == 1:
+        return _stream_one(engine, prompts[0], params)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    for output in outputs:
+        for completion in output.outputs:
+            label = f"prompt {output.request_id}" + (f", completion {completion.index}" if args.n > 1 else "")
+            shown = output.prompt if output.prompt is not None else output.prompt_token_ids
+            print(f"=== {label}: {shown!r} ({_finish(completion)}, {len(completion.token_ids)} tokens)")
+            print(completion.text if engine.tokenizer is not None else completion.token_ids)
+            _print_logprobs(completion, params.logprobs)
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    print(f"{len(outputs)} prompts, {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s")
+    return 0
+
+
+def _engine_sizes(args) -> None:
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise UsageError(f"--max-batch-size {args.max_batch_size}: give at least 1")
+    if args.max_seq_len < 2:
+        raise UsageError(f"--max-seq-len {args.max_seq_len}: give at least 2 (a prompt token and a generated one)")
+    if args.max_batch_size is not None and args.n > args.max_batch_size:
+        raise UsageError(f"--n {args.n} completions do not fit --max-batch-size {args.max_batch_size}")
+
+
+def _prompts(args) -> list:
+    """The prompts in command-line order (text or token ids), then those of --prompt-file."""
+    prompts = list(args.prompts or [])
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\r\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from e
+    if not prompts:
+        raise UsageError("give a prompt: --prompt TEXT, --prompt-ids '1 17 42' or --prompt-file FILE (one per line)")
+    if args.chat and not all(isinstance(p, str) for p in prompts):
+        raise UsageError("--chat renders text prompts with the chat template; --prompt-ids are tokens already")
+    return prompts
+
+
+def _sampling_params(args):
+    """SamplingParams from the options, checked before loading: a bad value names its option (exit 2)."""
+    from layerwise.sampling_params import SamplingParams
+
+    options = {
+        "n": args.n,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "logprobs": args.logprobs,
+    }
+    try:
+        return SamplingParams(**options)
+    except ValueError as e:
+        field = next((name for name in options if str(e).startswith(name + " ")), None)
+        option = f"--{field.replace('_', '-')} {options[field]}: " if field else ""
+        raise UsageError(f"{option}{e}") from e
+
+
+def _generate_tokenizer(path: str, prompts: list, chat: bool):
+    """The checkpoint's tokenizer, or None (token ids in and out); loaded before the model so that a text prompt
+    PATH cannot read fails first (exit 2, or 1 for a missing transformers)."""
+    from layerwise.tokenizer import has_tokenizer, load_tokenizer
+
+    text = any(isinstance(p, str) for p in prompts)
+    if not has_tokenizer(path):
+        if text:
+            raise UsageError(
+                f"{path} has no tokenizer (no tokenizer.json or tokenizer_config.json): give token ids, "
+                "--prompt-ids '1 17 42', instead of --prompt"
+            )
+        return None
+    try:
+        tokenizer = load_tokenizer(path)
+    except MissingDependencyError:
+        if text:
+            raise
+        print("layerwise: transformers is not installed: the completions are printed as token ids", file=sys.stderr)
+        return None
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"--chat: the tokenizer of {path} has no chat template; leave --chat out")
+    return tokenizer
+
+
+def _chat_prompt(tokenizer, text: str) -> dict:
+    """One user message rendered by the chat template, with the assistant turn opened."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return {"prompt": rendered, "add_special_tokens": False}  # the template wrote the special tokens
+
+
+def _stream_one(engine, prompt, params) -> int:
+    """Print the completion as it is generated, then a line with its finish reason, length and speed."""
+    start = time.perf_counter()
+    printed, shown_ids, output = "", 0, None
+    for output in engine.stream(prompt, params):
+        completion = output.outputs[0]
+        if engine.tokenizer is None:  # token ids, as they come
+            piece = "".join(f"{t} " for t in completion.token_ids[shown_ids:])
+            shown_ids = len(completion.token_ids)
+        else:  # an unfinished multi-byte character decodes as U+FFFD: wait for its other bytes
+            text = completion.text if output.finished else completion.text.rstrip("\ufffd")
+            piece = text[len(printed) :] if text.startswith(printed) else ""
+            printed += piece
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    seconds = time.perf_counter() - start
+    completion = output.outputs[0]
+    if engine.tokenizer is not None and completion.text != printed:  # the text changed behind what was printed
+        print(f"\n(the whole completion: {completion.text!r})", end="")
+    n = len(completion.token_ids)
+    print(f"\n[{_finish(completion)}, {n} tokens in {seconds:.2f} s: {n / seconds:.1f} tokens/s]")
+    _print_logprobs(completion, params.logprobs)
+    return 0
+
+
+def _finish(completion) -> str:
+    """The finish reason in words: 'length', 'stop (EOS 603)' or 'stop (stop id 5)'."""
+    if completion.finish_reason == "stop":
+        last = completion.token_ids[-1] if completion.token_ids else None
+        return (
+            f"stop (stop id {completion.stop_reason})" if completion.stop_reason is not None else f"stop (EOS {last})"
+        )
+    return str(completion.finish_reason)
+
+
+def _print_logprobs(completion, k: int | None) -> None:
+    """Per generated token (--logprobs K): its id, text, log-probability and rank, then the K most likely tokens."""
+    if completion.logprobs is None or k is None:
+        return
+    print(f"logprobs (raw model distribution): position, token, logprob, rank | the {k} most likely")
+    for position, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        sampled = entries[token]
+        top = sorted((lp.rank, t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= k)
+        listed = ", ".join(f"{_token_label(t, lp)} {lp.logprob:.3f}" for _, t, lp in top)
+        label = _token_label(token, sampled)
+        print(f"  {position:>4}  {label:<24} {sampled.logprob:8.3f}  rank {sampled.rank} | {listed}")
+
+
+def _token_label(token: int, logprob) -> str:
+    """``17`` without a tokenizer, ``17 ' the'`` with one."""
+    return str(token) if logprob.decoded_token is None else f"{token} {logprob.decoded_token!r}"
 
 
 def _reload(args) -> int:
@@ -193,16 +392,26 @@ def _reload(args) -> int:
     path_b = _checkpoint_dir(args.path_b, "PATH_B") if args.path_b else demo_checkpoint(args.cache_dir, seed=1)
     prompts = [PROMPT, [5, 3]]
     engine = Engine.from_pretrained(
-        path_a, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization, device=args.device
+        path_a,
+        max_batch_size=len(prompts),
+        max_seq_len=64,
+        tokenizer=False,
+        quantization=args.quantization,
+        device=args.device,
     )
-    tokens_a = engine.generate(prompts, args.tokens)
+    tokens_a = _greedy(engine, prompts, args.tokens)
     addresses = {name: (t, t.data_ptr()) for name, t in named_kernel_tensors(engine.model).items()}
     report = engine.reload_weights(path_b)
-    tokens_after = engine.generate(prompts, args.tokens)
+    tokens_after = _greedy(engine, prompts, args.tokens)
     fresh = Engine.from_pretrained(
-        path_b, max_batch_size=len(prompts), max_seq_len=64, quantization=args.quantization, device=args.device
+        path_b,
+        max_batch_size=len(prompts),
+        max_seq_len=64,
+        tokenizer=False,
+        quantization=args.quantization,
+        device=args.device,
     )
-    tokens_b = fresh.generate(prompts, args.tokens)
+    tokens_b = _greedy(fresh, prompts, args.tokens)
     now = named_kernel_tensors(engine.model)
     kept = sum(now[n] is t and now[n].data_ptr() == ptr for n, (t, ptr) in addresses.items())
     print(f"A: {path_a}\nB: {path_b}")
@@ -274,6 +483,62 @@ def _load_options(load: argparse.ArgumentParser) -> None:
     load.add_argument("--report", default=None, metavar="FILE.json", help="write the summary as JSON")
 
 
+def _token_ids(text: str) -> list[int]:
+    """``--prompt-ids '1 17 42'`` (or ``1,17,42``) -> [1, 17, 42]."""
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        ids = None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: give token ids, integers >= 0 separated by spaces, e.g. '1 17 42'")
+    return ids
+
+
+def _generate_options(gen: argparse.ArgumentParser) -> None:
+    from layerwise.quant.config import scheme_names
+
+    gen.add_argument("path", help="checkpoint directory (text prompts need its tokenizer files)")
+    gen.add_argument(
+        "--prompt", dest="prompts", action="append", metavar="TEXT", help="a text prompt; repeat it for several"
+    )
+    gen.add_argument(
+        "--prompt-ids",
+        dest="prompts",
+        action="append",
+        type=_token_ids,
+        metavar="IDS",
+        help="a prompt of token ids, e.g. '1 17 42' (any checkpoint, with or without a tokenizer); repeatable",
+    )
+    gen.add_argument("--prompt-file", default=None, metavar="FILE", help="text prompts, one per line")
+    gen.add_argument(
+        "--chat", action="store_true", help="send each text prompt as a user message through the chat template"
+    )
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens per completion (default 64)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1] (default 1: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (default 0: off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the most likely's (default 0)")
+    gen.add_argument("--seed", type=int, default=None, help="sample reproducibly (default: unseeded)")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
+    gen.add_argument(
+        "--logprobs", type=int, default=None, metavar="K", help="print each token's logprob and the K most likely"
+    )
+    gen.add_argument(
+        "--quantization",
+        default="fp8",
+        type=_scheme,
+        metavar="SCHEME",
+        help=f"{' | '.join(scheme_names())} (default fp8)",
+    )
+    gen.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    gen.add_argument(
+        "--max-batch-size", type=int, default=None, help="KV cache slots (default: every completion, at most 8)"
+    )
+    gen.add_argument(
+        "--max-seq-len", type=int, default=256, help="most tokens per sequence, prompt included (default 256)"
+    )
+
+
 def _demo_options(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--device", default="cpu", help=DEVICE_HELP)
     demo.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
@@ -311,6 +576,11 @@ def _sync_demo_options(sync: argparse.ArgumentParser) -> None:
 #: command -> (one line for ``layerwise --help``, the function adding its options, the function running it)
 COMMANDS = {
     "load": ("load a checkpoint directory and print a memory/time summary", _load_options, _load),
+    "generate": (
+        "complete text or token-id prompts with sampling (one prompt streams as it is generated)",
+        _generate_options,
+        _generate,
+    ),
     "demo": ("generate a small BF16 Qwen3 checkpoint, load it as FP8, generate", _demo_options, _demo),
     "reload": ("load A, generate, hot-reload B in place, generate, compare with B", _reload_options, _reload),
     "sync-demo": (
@@ -322,7 +592,7 @@ COMMANDS = {
 
 
 def build_parser(options_of: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
-    """The ``layerwise`` argument parser: commands load, demo, reload, sync-demo and bench.
+    """The ``layerwise`` argument parser: commands load, generate, demo, reload, sync-demo and bench.
 
     Args:
         options_of: the commands whose options are added (default: every command's). :func:`main` adds only the
