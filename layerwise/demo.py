@@ -18,13 +18,13 @@ from safetensors.torch import save_file
 
 from layerwise.checkpoint import CONFIG_NAME, INDEX_FILE
 from layerwise.demo_tokenizer import (
-    GENERATION_CONFIG_NAME,
     check_vocab_size,
     special_token_ids,
     tokenizer_fits,
     write_generation_config,
     write_tokenizer,
 )
+from layerwise.tokenizer import GENERATION_CONFIG_NAME
 
 PROMPT = [1, 17, 42, 7]  # token ids the demos continue greedily (load, reload, sync-demo)
 PROMPT_TEXT = "The engine reads the new weights"  # the text prompt of `layerwise demo` and `layerwise generate`

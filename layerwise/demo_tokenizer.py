@@ -29,7 +29,6 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the bytes and the special tokens, no merge
-GENERATION_CONFIG_NAME = "generation_config.json"
 EOS_TOKEN = "<|im_end|>"  # ends an assistant turn, as in Qwen2.5's instruct models
 PAD_TOKEN = "<|endoftext|>"
 
@@ -254,6 +253,8 @@ def write_generation_config(
     Raises:
         OSError: the directory cannot be written.
     """
+    from layerwise.tokenizer import GENERATION_CONFIG_NAME  # the file the engine reads (imports torch)
+
     config = {"eos_token_id": eos_token_ids}
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id

@@ -166,7 +166,8 @@ def add_text_files(path: Path, *, tokenizer: bool = True, eos_token_ids: int | l
     Raises:
         ValueError: ``tokenizer=True`` with a vocabulary below 259 ids.
     """
-    from layerwise.demo_tokenizer import GENERATION_CONFIG_NAME, special_token_ids, write_tokenizer
+    from layerwise.demo_tokenizer import special_token_ids, write_tokenizer
+    from layerwise.tokenizer import GENERATION_CONFIG_NAME
 
     path = Path(path)
     ids = {}
