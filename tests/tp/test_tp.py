@@ -237,3 +237,18 @@ def test_per_channel_and_per_block_scales_shard_with_rows_and_blocks(tp2, tmp_pa
             s = ref[f"{name}.{scale}"]  # per channel: every row's scale, reduced over the ranks (global_scales)
             assert torch.equal(got[f"{name}.{scale}"], s if scheme == "fp8-per-channel" else _cols(s, r, 2)), (r, name)
         _close(out["logits"], reference(ids), 1e-5)
+
+
+def test_a_tp_engine_samples_the_same_tokens_on_every_rank(tp2, hf_checkpoint):
+    """Sampling under TP: every rank's global RNG differs, yet all ranks generate the same tokens (the first rank's
+    draws), more prompts than slots; a seeded request equals a TP=1 engine's with the same seed."""
+    from layerwise.engine import Engine
+    from layerwise.sampling_params import SamplingParams
+
+    _, path = hf_checkpoint
+    prompts = [[1, 5, 9], [7, 3, 2, 8], [4, 4], [11]]
+    ranks = tp2.run(workers.engine_sample, str(path), prompts, True)
+    assert ranks[0] == ranks[1]
+    single = Engine(layerwise.load_model(path, quantization=None, dtype="float32"), max_batch_size=2, max_seq_len=32)
+    seeded = single.generate(prompts[1], SamplingParams(temperature=1.0, max_tokens=8, seed=5))[0].outputs[0]
+    assert ranks[0][1] == seeded.token_ids

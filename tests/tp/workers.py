@@ -101,3 +101,17 @@ def load_without_group(group, path):
     """load_model with no tp_group inside an initialized world of several ranks: the model is not sharded."""
     model = layerwise.load_model(path, quantization=None)
     return model.tp_group, model.tp.size, tuple(model.model.layers[0].self_attn.qkv_proj.weight.shape)
+
+
+def engine_sample(group, path, prompts, seed_rank_rng):
+    """A TP engine samples unseeded and seeded requests; each rank's global RNG is seeded differently (its rank),
+    so the ranks agree only if they take the group's first rank's tokens. Returns each request's token ids."""
+    from layerwise.sampling_params import SamplingParams
+
+    if seed_rank_rng:
+        torch.manual_seed(1000 + torch.distributed.get_rank(group))
+    model = layerwise.load_model(path, quantization=None, dtype="float32", tp_group=group)
+    engine = Engine(model, max_batch_size=2, max_seq_len=32)
+    params = [SamplingParams(temperature=1.0, max_tokens=8), SamplingParams(temperature=1.0, max_tokens=8, seed=5)]
+    params += [SamplingParams(temperature=1.0, max_tokens=6)] * (len(prompts) - 2)
+    return [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
