@@ -87,6 +87,8 @@ class Engine:
         self._no_tokenizer_reason: str | None = None  # from_pretrained: why the checkpoint's tokenizer is not here
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self._weights_lock = threading.Lock()  # held by each forward step and by each weight update
+        self._generating = threading.Lock()  # one generation at a time owns the KV cache's slots
+        self._generating_owner: int | None = None
         self._held_update_lock = False  # start_weight_update ... finish/abort hold it across calls
         self._update_owner: int | None = None  # the thread that opened that update
         self.transfer_engine = None  # set by init_weight_transfer_engine
@@ -331,7 +333,20 @@ class Engine:
         return self.tokenizer.decode([token_id])
 
     def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
-        """Run the requests to their end, one forward step per iteration."""
+        """Run the requests to their end, one forward step per iteration, owning the KV cache meanwhile."""
+        if self._generating_owner == threading.get_ident():
+            raise RuntimeError(
+                "this thread is already generating on this engine (an unfinished stream()?): finish or close it "
+                "first; the engine's KV cache holds one generation at a time"
+            )
+        with self._generating:  # another thread's generation is waited for
+            self._generating_owner = threading.get_ident()
+            try:
+                yield from self._run(requests, use_tqdm)
+            finally:
+                self._generating_owner = None
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
         from tqdm.auto import tqdm
 
         for request in requests:

@@ -122,11 +122,12 @@ def token_logprobs(
     Args:
         logprobs: float32 [R, V], log_softmax of the raw logits.
         tokens: int64 [R], one token per row.
-        top: how many most likely tokens to return per row (>= 0).
+        top: how many most likely tokens to return per row (>= 0; at most the vocabulary).
     Returns:
         (logprob [R], rank [R] (1-based: 1 + the number of other tokens at least as likely, vLLM's rank),
         top ids [R][top], top logprobs [R][top]) as Python lists, read back to the host in one transfer each.
     """
+    top = min(top, logprobs.shape[-1])
     chosen = logprobs.gather(-1, tokens[:, None])
     rank = (logprobs >= chosen).sum(-1)
     values, ids = logprobs.topk(top, dim=-1) if top > 0 else (logprobs[:, :0], tokens[:, None][:, :0])

@@ -245,3 +245,19 @@ def test_the_padded_graph_path_gives_transformers_tokens(ckpt, hf):
     for prompt, n, out in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n), prompt
     assert set(engine.graphs) <= {1, 2, 4, 8} and 8 in engine.graphs and len(engine.graphs) >= 2
+
+
+def test_an_unfinished_stream_blocks_a_second_generation_in_its_thread(engine, hf):
+    stream = engine.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))
+    first = next(stream)
+    assert len(first.outputs[0].token_ids) == 1 and not first.finished
+    with pytest.raises(RuntimeError, match="already generating"):
+        engine.generate(PROMPTS[1], SamplingParams(max_tokens=2))
+    *_, last = stream
+    assert last.finished and last.outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 4)
+    assert len(engine.generate(PROMPTS[1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+    abandoned = engine.stream(PROMPTS[0], SamplingParams(max_tokens=4))
+    next(abandoned)
+    abandoned.close()  # closing (or dropping) a stream ends its generation
+    assert len(engine.generate(PROMPTS[1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+    assert len(engine.generate(PROMPTS[1], SamplingParams(max_tokens=1, logprobs=500))[0].outputs[0].logprobs[0]) == 128
