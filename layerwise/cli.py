@@ -248,6 +248,7 @@ def _generate(args) -> int:
 
 
 def _engine_sizes(args) -> None:
+    """--max-batch-size, --max-seq-len and --n checked before loading (the Engine would refuse them after)."""
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise UsageError(f"--max-batch-size {args.max_batch_size}: give at least 1")
     if args.max_seq_len < 2:
@@ -304,7 +305,7 @@ def _generate_tokenizer(path: str, prompts: list, chat: bool):
         if text:
             raise UsageError(
                 f"{path} has no tokenizer (no tokenizer.json or tokenizer_config.json): give token ids, "
-                "--prompt-ids '1 17 42', instead of --prompt"
+                "--prompt-ids '1 17 42', instead of text prompts"
             )
         return None
     try:
@@ -354,12 +355,11 @@ def _stream_one(engine, prompt, params) -> int:
 
 def _finish(completion) -> str:
     """The finish reason in words: 'length', 'stop (EOS 603)' or 'stop (stop id 5)'."""
-    if completion.finish_reason == "stop":
-        last = completion.token_ids[-1] if completion.token_ids else None
-        return (
-            f"stop (stop id {completion.stop_reason})" if completion.stop_reason is not None else f"stop (EOS {last})"
-        )
-    return str(completion.finish_reason)
+    if completion.finish_reason != "stop":
+        return str(completion.finish_reason)
+    if completion.stop_reason is not None:
+        return f"stop (stop id {completion.stop_reason})"
+    return f"stop (EOS {completion.token_ids[-1]})"  # the EOS id is kept in token_ids
 
 
 def _print_logprobs(completion, k: int | None) -> None:

@@ -128,6 +128,20 @@ def test_token_ids_without_a_tokenizer_stream_as_ids(no_tokenizer, capsys):
     assert SUMMARY.search(out).groups() == ("length", "5")
 
 
+def test_a_completion_ending_at_eos_says_so(no_tokenizer, tmp_path, capsys):
+    import shutil
+
+    from tests.hf_checkpoints import add_text_files
+
+    argv = ["generate", "--prompt-ids", "1 2 3", "--max-tokens", "5", "--temperature", "0"]
+    assert main([argv[0], no_tokenizer, *argv[1:]]) == 0
+    first = int(capsys.readouterr().out.split()[0])
+    path = shutil.copytree(no_tokenizer, tmp_path / "eos")
+    add_text_files(path, tokenizer=False, eos_token_ids=[first])  # the greedy first token becomes the EOS
+    assert main([argv[0], str(path), *argv[1:]]) == 0
+    assert SUMMARY.search(capsys.readouterr().out).groups() == (f"stop (EOS {first})", "1")
+
+
 @pytest.mark.slow
 def test_the_fp8_default_from_a_clean_environment(demo, tmp_path):
     """As a user runs it: a subprocess, the default scheme (fp8), no inherited environment but PATH and HOME."""
