@@ -1,4 +1,5 @@
-/* Fused FP8 (e4m3fn) amax and quantize for contiguous CPU tensors: the CPU fast path of the torch kernel.
+/* Fused FP8 (e4m3fn) amax and quantize for contiguous CPU tensors: the CPU fast path of the torch kernel; and the
+ * W8A16 linear (linear_fp8, near the end) that multiplies by an FP8 weight without dequantizing it whole.
  *
  * Bit-exact with kernels/reference.py (the definition): amax = max |w| per group, read off the bits (a NaN
  * anywhere gives a NaN amax, an Inf an Inf); q = e4m3fn(clamp(float32(w) / scale, -448, 448)) with IEEE
@@ -716,6 +717,403 @@ static PyObject *py_scale_from_amax(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(non_finite);
 }
 
+/* ---- FP8 W8A16 linear: y[m, n] = sum_k x[m, k] * (float32(w[n, k]) * scale) + bias[n] ----
+ *
+ * The CPU forward of an FP8 linear without a dequantized copy of the weight. x (bfloat16, float16 or float32, rows
+ * x_stride elements apart) is widened to float32 once per call (rows of kp = k rounded up to 8, zero padded; float32
+ * rows of a multiple of 8 are read in place). Output features are split over the OpenMP threads; each thread
+ * dequantizes its weight rows a tile at a time into float32 ([nb, kp], zero padded, cache-resident: about half an L2,
+ * or half an L1 where x is one micro-tile of rows and the tile is read once) and runs a register-blocked micro-kernel
+ * over it: GEMM_MR rows of x by GEMM_NR rows of the tile, 8 float32 lanes along k (lane l sums k = l mod 8) per
+ * pair, FMA, the lanes added at the end. So every FP8 byte is read once per call and no whole float32 or bfloat16
+ * weight exists. A tile element is float32(w) * scale rounded once, as kernels/reference.py's dequantize computes it
+ * before its cast; y is the float32 sum plus the bias, rounded once to x's dtype (nearest even). Each y element is
+ * the same sequence of operations whatever m, its row's place among them and the thread count: a row's output does
+ * not depend on what it is batched with.
+ *
+ * e4m3fn -> float32: the byte b as float16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 7) is exactly b's value / 2^8
+ * (the 4-bit exponent lands in the low bits of float16's 5-bit one, and e4m3 subnormals become float16 normals),
+ * so F16C converts 8 at a time and one multiply by 2^8 * scale gives float32(w) * scale with one rounding (2^8 *
+ * scale is exact while finite). The portable path, and the AVX2 one for NaN bytes (0x7F, 0xFF), read a 256-entry
+ * table. Scale layouts: 0 one per tensor, 1 one per row, 2 one per 128 x 128 block ([ceil(n/128), ceil(k/128)]).
+ * Dtype codes of x, y and the bias: 0 bfloat16, 1 float32, 2 float16. */
+#define GEMM_MR 4                    /* rows of x per micro-tile */
+#define GEMM_NR 3                    /* rows of the weight (output features) per micro-tile: 12 accumulators */
+#define GEMM_TILE_BYTES (192 * 1024) /* a thread's dequantized tile: about half an L2 */
+#define GEMM_SMALL_TILE_BYTES (16 * 1024) /* ... where it is read once (at most GEMM_MR rows of x): half an L1 */
+
+static float e4m3_value[256]; /* float32 of every e4m3fn byte (filled at import) */
+
+static void e4m3_table_init(void) {
+    for (int b = 0; b < 256; b++) {
+        const uint32_t sign = (uint32_t)(b & 0x80) << 24;
+        const int e = (b >> 3) & 0xF, m = b & 7;
+        if (e == 15 && m == 7)
+            e4m3_value[b] = f32_from_bits(sign | 0x7FC00000u);
+        else if (e == 0) /* subnormal: m * 2^-9 */
+            e4m3_value[b] = f32_from_bits(sign | bits_from_f32((float)m * (1.0f / 512.0f)));
+        else
+            e4m3_value[b] = f32_from_bits(sign | (uint32_t)(e - 7 + 127) << 23 | (uint32_t)m << 20);
+    }
+}
+
+static inline float f32_from_f16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1F) return f32_from_bits(sign | 0x7F800000u | m << 13);
+    if (e == 0) return f32_from_bits(sign | bits_from_f32((float)m * (1.0f / 16777216.0f))); /* m * 2^-24 */
+    return f32_from_bits(sign | (e + 112) << 23 | m << 13);
+}
+
+/* float32 -> float16, round to nearest even; overflow to Inf, NaN stays NaN (quiet). */
+static inline uint16_t f16_from_f32(float f) {
+    const uint32_t b = bits_from_f32(f), a = b & 0x7FFFFFFFu;
+    const uint16_t sign = (uint16_t)((b >> 16) & 0x8000u);
+    if (a > 0x7F800000u) return sign | 0x7E00u | (uint16_t)((a >> 13) & 0x3FFu);
+    if (a >= 0x477FF000u) return sign | 0x7C00u; /* 65520 and up round to Inf */
+    if (a < 0x38800000u) { /* below 2^-14: a subnormal half, |f| * 2^24 rounded to an integer (2^23 trick) */
+        const float v = f32_from_bits(a) * 16777216.0f;
+        return sign | (uint16_t)(bits_from_f32(v + 8388608.0f) - 0x4B000000u);
+    }
+    const uint32_t r = a - ((uint32_t)(127 - 15) << 23);
+    return sign | (uint16_t)((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
+}
+
+/* float32 -> bfloat16 as torch rounds it: nearest even, NaN -> 0x7FC0. */
+static inline uint16_t bf16_from_f32(float f) {
+    const uint32_t b = bits_from_f32(f);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+static inline float load_as_f32(const char *p, int64_t i, int dtype) {
+    if (dtype == 0) return widen_bf16(((const uint16_t *)p)[i]);
+    if (dtype == 2) return f32_from_f16(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void store_from_f32(char *p, int64_t i, int dtype, float v) {
+    if (dtype == 0)
+        ((uint16_t *)p)[i] = bf16_from_f32(v);
+    else if (dtype == 2)
+        ((uint16_t *)p)[i] = f16_from_f32(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+typedef struct {
+    const uint8_t *w;   /* [n, k] e4m3fn */
+    const float *scale; /* 1, [n] or [ceil(n/128), ceil(k/128)] */
+    int granularity;    /* 0 tensor, 1 channel, 2 block */
+    const char *x;      /* [m, k], rows x_stride elements apart */
+    int64_t x_stride;
+    int dtype;          /* of x and y */
+    const char *bias;   /* [n] or NULL */
+    int bias_dtype;
+    char *y;            /* [m, n], contiguous */
+    int64_t m, n, k;
+    const float *xf;    /* x as float32, rows ldx apart, zero padded from k to kp */
+    int64_t ldx;
+    int64_t kp;         /* k rounded up to a multiple of 8: the micro-kernel's length */
+    int64_t ldw;        /* the tile's row stride: kp, 16 more where kp * 4 bytes is a multiple of 4 KiB */
+    int64_t nb;         /* weight rows per tile, a multiple of GEMM_NR */
+    int vector;         /* the AVX2 / FMA / F16C path */
+} Gemm;
+
+/* dst[j] = float32(src[j]) * scale[j / per] over a row of k, portably. */
+static void dequantize_row_portable(const uint8_t *src, float *dst, int64_t k, const float *scale, int64_t per) {
+    for (int64_t c0 = 0, s = 0; c0 < k; c0 += per, s++) {
+        const int64_t c1 = c0 + per < k ? c0 + per : k;
+        for (int64_t j = c0; j < c1; j++) dst[j] = e4m3_value[src[j]] * scale[s];
+    }
+}
+
+/* The micro-kernel, portably: out[i * GEMM_NR + j] = sum over [0, kp) of x row i times tile row j, mr x nr of them,
+ * in 8 lanes (k mod 8) reduced at the end, so the compiler vectorizes it. */
+static inline void tile_portable(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t kp, int mr, int nr,
+                                 float *out) {
+    float acc[GEMM_MR][GEMM_NR][8];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < kp; k += 8)
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++)
+                for (int l = 0; l < 8; l++) acc[i][j][l] += x[i * ldx + k + l] * w[j * ldw + k + l];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            const float *a = acc[i][j];
+            out[i * GEMM_NR + j] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        }
+}
+
+static void tile_portable_full(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t kp, float *out) {
+    tile_portable(x, ldx, w, ldw, kp, GEMM_MR, GEMM_NR, out);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define GEMM_TARGET __attribute__((target("avx2,fma,f16c")))
+
+static int gemm_vector_supported(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+    return cached;
+}
+
+/* 16-bit lanes t = b << 8 (the byte in the high half) -> the float16 bits of b / 2^8 for a finite e4m3 b: the sign
+ * stays in bit 15 and the arithmetic shift moves exponent and mantissa down one bit (its copy of the sign in bit 14
+ * is cleared). */
+GEMM_TARGET static inline __m256i f16_bits_of_e4m3(__m256i t) {
+    return _mm256_and_si256(_mm256_srai_epi16(t, 1), _mm256_set1_epi16((short)0xBF80));
+}
+
+/* dst[j] = float32(src[j]) * s, 32 bytes at a time through float16 (see above); 32 bytes holding a NaN (|b| = 0x7F,
+ * rare: never from our quantize), a tail of under 32, and a scale whose 2^8 multiple is not finite from the table,
+ * whose product is the same. Inlined into the row loop: a per-block row is spans of 128. */
+GEMM_TARGET static inline __attribute__((always_inline)) void dequantize_span_avx2(const uint8_t *src, float *dst,
+                                                                                   int64_t len, float s) {
+    const float s256 = s * 256.0f;
+    int64_t j = 0;
+    if (s256 - s256 == 0.0f) {
+        const __m256 vs = _mm256_set1_ps(s256);
+        const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi8(-1);
+        const __m256i sign = _mm256_set1_epi8((char)0x80);
+        for (; j + 32 <= len; j += 32) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(src + j));
+            if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_or_si256(b, sign), ones))) {
+                for (int64_t i = j; i < j + 32; i++) dst[i] = e4m3_value[src[i]] * s;
+                continue;
+            }
+            /* in-lane unpacks: lo holds bytes 0-7 and 16-23, hi bytes 8-15 and 24-31 */
+            const __m256i lo = f16_bits_of_e4m3(_mm256_unpacklo_epi8(zero, b));
+            const __m256i hi = f16_bits_of_e4m3(_mm256_unpackhi_epi8(zero, b));
+            _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(lo)), vs));
+            _mm256_storeu_ps(dst + j + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(hi)), vs));
+            _mm256_storeu_ps(dst + j + 16, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1)), vs));
+            _mm256_storeu_ps(dst + j + 24, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1)), vs));
+        }
+    }
+    for (; j < len; j++) dst[j] = e4m3_value[src[j]] * s;
+}
+
+/* A row of k bytes, scale[j / per] for element j. */
+GEMM_TARGET static void dequantize_row_avx2(const uint8_t *src, float *dst, int64_t k, const float *scale,
+                                            int64_t per) {
+    for (int64_t c0 = 0, s = 0; c0 < k; c0 += per, s++)
+        dequantize_span_avx2(src + c0, dst + c0, c0 + per < k ? per : k - c0, scale[s]);
+}
+
+GEMM_TARGET static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The micro-kernel: mr x nr accumulators of 8 lanes along k (12 ymm registers for 4 x 3), FMA. Inlined with
+ * constant mr and nr, so the loops unroll and the accumulators stay in registers. */
+GEMM_TARGET static inline __attribute__((always_inline)) void tile_avx2(const float *x, int64_t ldx, const float *w,
+                                                                        int64_t ldw, int64_t kp, const int mr,
+                                                                        const int nr, float *out) {
+    __m256 acc[GEMM_MR][GEMM_NR];
+    for (int i = 0; i < GEMM_MR; i++)
+        for (int j = 0; j < GEMM_NR; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kp; k += 8) {
+        __m256 wv[GEMM_NR];
+        for (int j = 0; j < nr; j++) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+        for (int i = 0; i < mr; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) out[i * GEMM_NR + j] = hsum_avx2(acc[i][j]);
+}
+
+GEMM_TARGET static void tile_avx2_any(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t kp, int mr,
+                                      int nr, float *out) {
+#define TILE_CASE(MR_, NR_) \
+    case MR_ * 4 + NR_:     \
+        tile_avx2(x, ldx, w, ldw, kp, MR_, NR_, out); \
+        return;
+    switch (mr * 4 + nr) {
+        TILE_CASE(4, 3) TILE_CASE(4, 2) TILE_CASE(4, 1)
+        TILE_CASE(3, 3) TILE_CASE(3, 2) TILE_CASE(3, 1)
+        TILE_CASE(2, 3) TILE_CASE(2, 2) TILE_CASE(2, 1)
+        TILE_CASE(1, 3) TILE_CASE(1, 2) TILE_CASE(1, 1)
+    }
+#undef TILE_CASE
+}
+
+/* one row of x widened to float32 (ld elements, zero padded), 8 at a time */
+GEMM_TARGET static void widen_row_avx2(const char *src, int dtype, float *dst, int64_t k, int64_t ld) {
+    int64_t j = 0;
+    if (dtype == 0)
+        for (; j + 8 <= k; j += 8) {
+            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + j)));
+            _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
+    else if (dtype == 2)
+        for (; j + 8 <= k; j += 8)
+            _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + j))));
+    for (; j < k; j++) dst[j] = load_as_f32(src, j, dtype);
+    for (; j < ld; j++) dst[j] = 0.0f;
+}
+#else
+static int gemm_vector_supported(void) { return 0; }
+static void dequantize_row_avx2(const uint8_t *src, float *dst, int64_t k, const float *scale, int64_t per) {
+    dequantize_row_portable(src, dst, k, scale, per);
+}
+static void tile_avx2_any(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t kp, int mr, int nr,
+                          float *out) {
+    tile_portable(x, ldx, w, ldw, kp, mr, nr, out);
+}
+static void widen_row_avx2(const char *src, int dtype, float *dst, int64_t k, int64_t ld) {
+    int64_t j = 0;
+    for (; j < k; j++) dst[j] = load_as_f32(src, j, dtype);
+    for (; j < ld; j++) dst[j] = 0.0f;
+}
+#endif
+
+/* row r of x widened into dst (ldx elements, zero padded) */
+static void widen_row(const Gemm *g, int64_t r, float *dst) {
+    const char *src = g->x + r * g->x_stride * (g->dtype == 1 ? 4 : 2);
+    if (g->vector) {
+        widen_row_avx2(src, g->dtype, dst, g->k, g->ldx);
+        return;
+    }
+    int64_t j = 0;
+    for (; j < g->k; j++) dst[j] = load_as_f32(src, j, g->dtype);
+    for (; j < g->ldx; j++) dst[j] = 0.0f;
+}
+
+/* Weight rows [r0, r1) dequantized into tile [r1 - r0, ldw], zero padded from k to kp. */
+static void dequantize_rows(const Gemm *g, int64_t r0, int64_t r1, float *tile) {
+    const int64_t k = g->k, kb = (k + BLOCK - 1) / BLOCK;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *src = g->w + r * k;
+        float *dst = tile + (r - r0) * g->ldw;
+        const int64_t per = g->granularity == 2 ? BLOCK : k;
+        const float *scale = g->granularity == 0 ? g->scale : g->granularity == 1 ? g->scale + r
+                                                                                   : g->scale + r / BLOCK * kb;
+        if (g->vector)
+            dequantize_row_avx2(src, dst, k, scale, per);
+        else
+            dequantize_row_portable(src, dst, k, scale, per);
+        for (int64_t j = k; j < g->kp; j++) dst[j] = 0.0f;
+    }
+}
+
+/* Output features [lo, hi) of every row of x, one tile of weight rows at a time. Returns 0 when out of memory. */
+static int gemm_worker(const Gemm *g, int64_t lo, int64_t hi) {
+    float *tile = NULL;
+    if (posix_memalign((void **)&tile, 64, (size_t)(g->nb * g->ldw) * sizeof(float))) return 0;
+    float out[GEMM_MR * GEMM_NR];
+    for (int64_t t0 = lo; t0 < hi; t0 += g->nb) {
+        const int64_t t1 = t0 + g->nb < hi ? t0 + g->nb : hi;
+        dequantize_rows(g, t0, t1, tile);
+        for (int64_t m0 = 0; m0 < g->m; m0 += GEMM_MR) {
+            const int mr = g->m - m0 < GEMM_MR ? (int)(g->m - m0) : GEMM_MR;
+            const float *x = g->xf + m0 * g->ldx;
+            for (int64_t n0 = t0; n0 < t1; n0 += GEMM_NR) {
+                const int nr = t1 - n0 < GEMM_NR ? (int)(t1 - n0) : GEMM_NR;
+                const float *w = tile + (n0 - t0) * g->ldw;
+                if (g->vector)
+                    tile_avx2_any(x, g->ldx, w, g->ldw, g->kp, mr, nr, out);
+                else if (mr == GEMM_MR && nr == GEMM_NR)
+                    tile_portable_full(x, g->ldx, w, g->ldw, g->kp, out);
+                else
+                    tile_portable(x, g->ldx, w, g->ldw, g->kp, mr, nr, out);
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < nr; j++) {
+                        float v = out[i * GEMM_NR + j];
+                        if (g->bias) v += load_as_f32(g->bias, n0 + j, g->bias_dtype);
+                        store_from_f32(g->y, (m0 + i) * g->n + n0 + j, g->dtype, v);
+                    }
+            }
+        }
+    }
+    free(tile);
+    return 1;
+}
+
+/* linear_fp8(x, dtype, m, k, x_stride, w, n, scale, granularity, bias, bias_dtype, y, n_threads, portable=False):
+ * pointers as integers, bias 0 for none; the Python side (kernels/cpu_native.py) checks dtypes, shapes and
+ * contiguity. portable: the plain C path even where AVX2 runs (tests). */
+static PyObject *py_linear_fp8(PyObject *self, PyObject *args) {
+    unsigned long long x, w, scale, bias, y;
+    long long m, k, x_stride, n;
+    int dtype, granularity, bias_dtype, n_threads, portable = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KiLLLKLKiKiKi|p", &x, &dtype, &m, &k, &x_stride, &w, &n, &scale, &granularity, &bias,
+                          &bias_dtype, &y, &n_threads, &portable))
+        return NULL;
+    if (dtype < 0 || dtype > 2 || bias_dtype < 0 || bias_dtype > 2 || granularity < 0 || granularity > 2 || m < 0 ||
+        n < 1 || k < 1 || x_stride < k) {
+        PyErr_SetString(PyExc_ValueError, "linear_fp8: bad dtype code, granularity code or shape");
+        return NULL;
+    }
+    Gemm g;
+    memset(&g, 0, sizeof g);
+    g.w = (const uint8_t *)(uintptr_t)w;
+    g.scale = (const float *)(uintptr_t)scale;
+    g.granularity = granularity;
+    g.x = (const char *)(uintptr_t)x;
+    g.x_stride = x_stride;
+    g.dtype = dtype;
+    g.bias = bias ? (const char *)(uintptr_t)bias : NULL;
+    g.bias_dtype = bias_dtype;
+    g.y = (char *)(uintptr_t)y;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.kp = (k + 7) / 8 * 8;
+    g.ldw = g.kp % 1024 ? g.kp : g.kp + 16;
+    const int direct = dtype == 1 && k % 8 == 0; /* float32 rows of whole vectors: read in place */
+    g.ldx = direct ? x_stride : g.ldw;
+    g.vector = !portable && gemm_vector_supported();
+    /* whole micro-tiles, about GEMM_TILE_BYTES; where one block of GEMM_MR rows of x is all there is, the tile is
+     * read once, so it stays in L1 instead (GEMM_SMALL_TILE_BYTES) */
+    const int64_t tile_bytes = m <= GEMM_MR ? GEMM_SMALL_TILE_BYTES : GEMM_TILE_BYTES;
+    g.nb = tile_bytes / (int64_t)sizeof(float) / g.ldw / GEMM_NR * GEMM_NR;
+    if (g.nb < GEMM_NR) g.nb = GEMM_NR;
+    if (m == 0) Py_RETURN_NONE;
+    /* threads: each a range of whole micro-tiles of output features, and enough work to pay for its start-up */
+    const int64_t units = (n + GEMM_NR - 1) / GEMM_NR;
+    const int64_t most = n * k * (4 + m) / (1 << 19);
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    if (most < n_threads) n_threads = most < 1 ? 1 : (int)most;
+    if (units < n_threads) n_threads = (int)units;
+    if (n_threads < 1) n_threads = 1;
+    float *xf = NULL;
+    if (!direct && posix_memalign((void **)&xf, 64, (size_t)(m * g.ldx) * sizeof(float))) return PyErr_NoMemory();
+    g.xf = direct ? (const float *)g.x : xf;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    /* one parallel region: x widened by rows, then (after the loop's barrier) the GEMM by output features */
+#pragma omp parallel num_threads(n_threads)
+    {
+        if (!direct) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) widen_row(&g, r, xf + r * g.ldx);
+        }
+#pragma omp for schedule(static, 1) reduction(| : failed)
+        for (int t = 0; t < n_threads; t++) {
+            const int64_t lo = units * t / n_threads * GEMM_NR, hi = units * (t + 1) / n_threads * GEMM_NR;
+            if (!gemm_worker(&g, lo, hi < n ? hi : n)) failed = 1;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(xf);
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gemm_path(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyUnicode_FromString(gemm_vector_supported() ? "avx2" : "portable");
+}
+
 static PyObject *py_table_path(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -725,6 +1123,11 @@ static PyObject *py_table_path(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"table_path", py_table_path, METH_NOARGS,
      "table_path(): whether the in-range bfloat16 conversion runs as a table lookup (AVX-512 VBMI) here."},
+    {"gemm_path", py_gemm_path, METH_NOARGS,
+     "gemm_path(): 'avx2' where linear_fp8 runs its AVX2 / FMA / F16C kernels here, else 'portable'."},
+    {"linear_fp8", py_linear_fp8, METH_VARARGS,
+     "linear_fp8(x, dtype, m, k, x_stride, w, n, scale, granularity, bias, bias_dtype, y, n_threads, portable=False): "
+     "y = x @ dequantize(w)^T + bias."},
     {"amax", py_amax, METH_VARARGS,
      "amax(src, dtype, granularity, n_rows, k, out, n_threads): max |x| per group into float32 out."},
     {"quantize", py_quantize, METH_VARARGS,
@@ -746,10 +1149,12 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_fp8", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 /* bumped when the functions' arguments change: kernels/cpu_native.py refuses a stale build of an editable install */
-#define ABI_VERSION 6
+#define ABI_VERSION 7
 
 PyMODINIT_FUNC PyInit__cpu_fp8(void) {
-    (void)lut_supported(); /* the CPU check made once here, not first by several OpenMP threads at once */
+    (void)lut_supported(); /* the CPU checks made once here, not first by several OpenMP threads at once */
+    (void)gemm_vector_supported();
+    e4m3_table_init();
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0) {
         Py_DECREF(m);

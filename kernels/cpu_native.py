@@ -1,11 +1,15 @@
-"""The fused native CPU FP8 kernels (``_cpu_fp8.c``): amax and quantize in one vectorized pass each.
+"""The fused native CPU FP8 kernels (``_cpu_fp8.c``): amax and quantize in one vectorized pass each, and the W8A16
+linear (:func:`linear_fp8`: FP8 weight tiles dequantized into a cache-resident float32 buffer, never a whole
+dequantized weight).
 
 Bit-exact with :mod:`layerwise.kernels.reference` (tested over every bfloat16 bit pattern), and what the
 ``"torch"`` kernel runs on CPU for contiguous bfloat16 and float32 tensors when the extension is built.
 torch's CPU cast to float8 is a scalar loop and the reference makes four passes (widen, divide, clamp,
 cast). The native kernels make one vectorized pass each (the quantize a table lookup where a scale from the
 weight's own amax allows it, :func:`table_path`); ``python -m layerwise.benchmarks.quant_kernels`` measures
-them against a ``clone`` of the weight (benchmarks/results/quant_kernels_cpu.json).
+them against a ``clone`` of the weight (benchmarks/results/quant_kernels_cpu.json). The linear is not bit-exact
+with dequantize + ``F.linear`` (its sums are float32 in its own order, and the weight is never rounded to x's dtype);
+``python -m layerwise.benchmarks.cpu_gemm`` times it against both BF16 ``F.linear`` and that path.
 
 The extension is compiled by ``pip install`` (a C compiler and the Python headers; no torch headers, so
 it builds in about a second) and is optional: where it could not be built, :func:`available` is False and
@@ -22,9 +26,9 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from layerwise.errors import NonFiniteWeightError
-from layerwise.kernels.reference import FP8_DTYPE, GRANULARITY_CODES, scale_shape
+from layerwise.kernels.reference import BLOCK_SIZE, FP8_DTYPE, GRANULARITY_CODES, scale_shape
 
-ABI_VERSION = 6  # _cpu_fp8.ABI_VERSION of the C source this module calls
+ABI_VERSION = 7  # _cpu_fp8.ABI_VERSION of the C source this module calls
 
 try:
     from layerwise.kernels import _cpu_fp8
@@ -39,6 +43,7 @@ if _cpu_fp8 is not None and getattr(_cpu_fp8, "ABI_VERSION", 0) != ABI_VERSION:
     _cpu_fp8 = None
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
+LINEAR_DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}  # x, y and bias of linear_fp8
 PIECE_COLUMNS = 5  # a piece's row of the batch table: src, dst, numel, its weight's first scale, its first row
 
 
@@ -52,6 +57,12 @@ def table_path() -> bool:
     table lookup here (x86-64 with AVX-512 VBMI), about twice as fast as the exact conversion it equals bit for bit;
     False where the extension is not built or the CPU lacks VBMI (the exact conversion runs)."""
     return _cpu_fp8 is not None and _cpu_fp8.table_path()
+
+
+def gemm_path() -> str | None:
+    """Which kernels :func:`linear_fp8` runs here: "avx2" (x86-64 with AVX2, FMA and F16C), "portable" (plain C),
+    or None where the extension is not built."""
+    return _cpu_fp8.gemm_path() if _cpu_fp8 is not None else None
 
 
 def supports(w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
@@ -80,7 +91,10 @@ def _plain(t: torch.Tensor) -> bool:
     """A tensor whose data_ptr is its elements: a plain tensor or parameter (typed parameters included), not a
     fake tensor or a subclass that wraps inner tensors."""
     # issubclass, not isinstance: nn.Parameter(fake) is a FakeTensor that isinstance(., Parameter) accepts
-    return type(t) is torch.Tensor or (issubclass(type(t), torch.nn.Parameter) and not is_traceable_wrapper_subclass(t))
+    kind = type(t)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common cases, without the subclass check
+        return True
+    return issubclass(kind, torch.nn.Parameter) and not is_traceable_wrapper_subclass(t)
 
 
 def _rows(w: torch.Tensor, granularity: str) -> tuple[int, int]:
@@ -322,3 +336,106 @@ def copy_checked(src: torch.Tensor, dst: torch.Tensor) -> bool:
         src.data_ptr(), dst.data_ptr(), src.numel(), DTYPE_CODES[src.dtype], torch.get_num_threads()
     )
     return amax <= 3.4028234663852886e38  # False for NaN and Inf
+
+
+def supports_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
+    """Whether :func:`linear_fp8` takes these tensors: the extension built and not under torch.compile; ``weight`` a
+    plain contiguous non-empty 2-D float8_e4m3fn CPU tensor [N, K]; ``scale`` a plain float32 CPU tensor of a layout
+    that fits it (as :func:`reference.scale_layout`: 1 element, [N, 1] or [ceil(N/128), ceil(K/128)]); ``x`` a plain
+    bfloat16, float16 or float32 CPU tensor [..., K] (any strides); ``bias`` None or a plain CPU tensor of N elements
+    in one of those dtypes; and no gradient to record (the kernel is not differentiable). Cheap (a few attribute
+    reads: it runs before every CPU FP8 forward)."""
+    if _cpu_fp8 is None or torch.compiler.is_compiling():
+        return False
+    # is_cpu and ndim, not device.type and dim(): a few times cheaper, and this runs once per linear per step
+    if not (x.is_cpu and weight.is_cpu and scale.is_cpu and weight.ndim == 2 and x.ndim >= 1):
+        return False
+    if not (weight.dtype == FP8_DTYPE and x.dtype in LINEAR_DTYPE_CODES and scale.dtype == torch.float32):
+        return False
+    n, k = weight.shape
+    if x.shape[-1] != k or n * k == 0 or not weight.is_contiguous() or _layout_code(n, k, scale) is None:
+        return False
+    if bias is not None and not (bias.is_cpu and bias.dtype in LINEAR_DTYPE_CODES and bias.numel() == n):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    return _plain(x) and _plain(weight) and _plain(scale) and (bias is None or _plain(bias))
+
+
+def _layout_code(n: int, k: int, scale: torch.Tensor) -> int | None:
+    """GRANULARITY_CODES of :func:`reference.scale_layout` for a weight [n, k], None where the scale fits no layout."""
+    if scale.numel() == 1:
+        return GRANULARITY_CODES["tensor"]
+    shape = scale.shape
+    if shape == (n, 1):
+        return GRANULARITY_CODES["channel"]
+    if shape == (-(-n // BLOCK_SIZE[0]), -(-k // BLOCK_SIZE[1])):
+        return GRANULARITY_CODES["block"]
+    return None
+
+
+def linear_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    checked: bool = False,
+    portable: bool = False,
+) -> torch.Tensor:
+    """y = x @ dequantize(weight, scale)^T + bias without a dequantized copy of the weight (W8A16 on CPU).
+
+    The FP8 bytes are dequantized a cache-sized tile at a time into float32 (``float32(w) * scale``, rounded once, as
+    :func:`reference.dequantize` computes it before its cast) and multiplied there with x widened to float32; the
+    sums are float32 and y is rounded once to x's dtype. Each output element is the same sum in the same order
+    whatever the other rows of x and the thread count (batch invariant). Work is split by output features over
+    ``torch.get_num_threads()`` OpenMP threads, the GIL released.
+
+    Args:
+        x: bfloat16, float16 or float32 CPU tensor [..., K] (any strides: rows whose elements are not adjacent are
+            copied first).
+        weight: contiguous float8_e4m3fn CPU tensor [N, K].
+        scale: float32, 1 element (per tensor), [N, 1] (per channel) or [ceil(N/128), ceil(K/128)] (per 128 x 128
+            block).
+        bias: optional CPU tensor of N elements, bfloat16, float16 or float32.
+        checked: the caller has just had :func:`supports_linear` accept these tensors (the check is skipped).
+        portable: run the plain C kernels even where the AVX2 ones run (:func:`gemm_path`; for tests).
+    Returns:
+        y: [..., N] in x's dtype.
+    Raises:
+        ValueError: tensors :func:`supports_linear` refuses (check it first to fall back to dequantize + F.linear).
+    """
+    if not checked and not supports_linear(x, weight, scale, bias):
+        raise ValueError(
+            f"linear_fp8: cannot take x {x.dtype}{tuple(x.shape)} on {x.device}, weight {weight.dtype}"
+            f"{tuple(weight.shape)}, scale {scale.dtype}{tuple(scale.shape)}"
+            + (f", bias {bias.dtype}{tuple(bias.shape)}" if bias is not None else "")
+        )
+    n, k = weight.shape
+    x2 = x if x.ndim == 2 else x.reshape(-1, k)
+    m = x2.shape[0]
+    row_stride, column_stride = x2.stride()
+    if column_stride != 1 or (m > 1 and row_stride < k):  # elements not adjacent, or rows that overlap
+        x2, row_stride = x2.contiguous(), k
+    scale = scale.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty((m, n) if x.ndim == 2 else (*x.shape[:-1], n), dtype=x.dtype)  # contiguous: [m, n] for the kernel
+    _cpu_fp8.linear_fp8(
+        x2.data_ptr(),
+        LINEAR_DTYPE_CODES[x.dtype],
+        m,
+        k,
+        row_stride if m > 1 else k,
+        weight.data_ptr(),
+        n,
+        scale.data_ptr(),
+        _layout_code(n, k, scale),
+        bias.data_ptr() if bias is not None else 0,
+        LINEAR_DTYPE_CODES[bias.dtype] if bias is not None else 0,
+        y.data_ptr(),
+        torch.get_num_threads(),
+        portable,
+    )
+    return y

@@ -29,7 +29,9 @@ GPUs. Per-tensor and per-channel weights run the Triton W8A8 GEMM with x quantiz
 (``kernels.fp8_gemm.dynamic_w8a8_gemm``) instead of the quantization kernel and ``torch._scaled_mm`` where a
 tuned configuration says it was faster on this GPU. Every W8A16 forward on CUDA
 (fp8_mode "w8a16", sm_80, unaligned shapes, fp16 per-channel) decodes the FP8 weight inside a Triton GEMM for up
-to ``W8A16_GEMM_MAX_M`` tokens instead of dequantizing the whole weight (``kernels.fp8_gemm``).
+to ``W8A16_GEMM_MAX_M`` tokens instead of dequantizing the whole weight (``kernels.fp8_gemm``). On CPU
+(kernel "torch") the W8A16 forward is the native fused GEMM (``kernels.cpu_native.linear_fp8``: FP8 tiles
+dequantized into a cache-resident float32 buffer, never a whole BF16 weight) where the extension is built.
 This mirrors vLLM's online ``Fp8LinearMethod`` (BF16 checkpoint, quantized in
 ``process_weights_after_loading``).
 
@@ -56,6 +58,7 @@ from layerwise.errors import NonFiniteWeightError, TensorParallelError
 from layerwise.kernels import (
     BLOCK_SIZE,
     FP8_DTYPE,
+    cpu_native,
     fp8_amax,
     fp8_dequantize,
     fp8_quantize,
@@ -308,7 +311,8 @@ class Fp8LinearMethod(QuantMethod):
         """y = x @ W^T + bias for x [..., in] (bf16/fp16/fp32) -> y [..., out] in x.dtype, from the float8_e4m3fn
         weight [out, in] and its float32 scale: W8A8 (x quantized per tensor / token / token group, then
         ``_scaled_mm`` or a Triton GEMM) where :meth:`_use_scaled_mm` or the per-block Triton path applies, else
-        W8A16 (the Triton GEMM up to ``W8A16_GEMM_MAX_M`` rows on CUDA, else dequantize + ``F.linear``).
+        W8A16 (the Triton GEMM up to ``W8A16_GEMM_MAX_M`` rows on CUDA; on CPU with kernel "torch" the native fused
+        GEMM, ``cpu_native.linear_fp8``, where it is built and takes the tensors; else dequantize + ``F.linear``).
 
         Raises:
             RuntimeError: fp8_mode "w8a8" where it cannot run: ``_scaled_mm`` lacks the device, shape or scale layout
@@ -329,6 +333,8 @@ class Fp8LinearMethod(QuantMethod):
                     f"activations only (the Triton block-scaled GEMM); got {x.dtype} on {x.device}, "
                     f"kernel={self.kernel!r}; use fp8_mode='auto' or 'w8a16'"
                 )
+            if self.kernel == "torch" and cpu_native.supports_linear(x, weight, scale, bias):
+                return cpu_native.linear_fp8(x, weight, scale, bias, checked=True)  # no dequantized weight
             return F.linear(x, fp8_dequantize(weight, scale, x.dtype, self.kernel), bias)
         x2 = x.reshape(-1, x.shape[-1])
         act_granularity = ACT_GRANULARITY[self.granularity]
