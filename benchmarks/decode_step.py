@@ -21,6 +21,7 @@ attention and the rest, with its largest kernels (``benchmarks/step_profile.py``
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -72,8 +73,7 @@ def _step_times(engine, position: int, warmup: int, steps: int) -> list[float]:
     positions = torch.full((engine.max_batch_size, 1), position, dtype=torch.long, device=engine.device)
 
     def step():
-        with engine.weight_update_lock():
-            engine.decode(tokens, positions)  # the step generate() runs: graph replay on CUDA
+        engine.decode(tokens, positions)  # the step generate() runs (graph replay on CUDA), under the weights lock
 
     with torch.inference_mode():
         return times(step, engine.device, warmup + steps)[warmup:]
@@ -115,9 +115,10 @@ def worker(
                 bf16_ms = row["ms"]
             if bf16_ms is not None:
                 row["over_bf16"] = row["ms"] / bf16_ms
-            if profile:
+            if profile:  # the captured step run eagerly: the runner's forward over the inputs decode() just set
                 with torch.inference_mode(), engine.weight_update_lock():
-                    row["profile"] = profile_step(engine._decode_step, device)
+                    eager = functools.partial(engine.runner._step, batch, max_seq_len)
+                    row["profile"] = profile_step(eager, device)
         except Exception as e:  # recorded; the next configuration still runs
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         engine = model = None
