@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_session.sh tests    # CUDA tests (-m gpu) + the demo on cuda           (~5 min)
 #   bash benchmarks/gpu_session.sh suite    # the 8b suite: peak memory, reload, decode step   (~8 min)
+#   bash benchmarks/gpu_session.sh rollout  # rollout tokens/s on 8b: Engine.generate, BF16 and each FP8 scheme
+#                                           # at batch 8 and 64, against transformers' generate  (~6 min)
 #   bash benchmarks/gpu_session.sh moe      # MoE load + the 8b reload alone (quicker re-check),
 #                                           # and a cProfile of the first 8b load in a process  (~6 min)
 #   bash benchmarks/gpu_session.sh tune     # GEMM tiles for the 8b projections at M = 1 and 8 (decode);
@@ -20,7 +22,7 @@
 # `tune` before `suite` (in its own call): copy $OUT/configs/*.json into kernels/configs/ and commit it, so the
 # suite's decode step launches the tuned GEMMs.
 set -uo pipefail
-part=${1:?usage: gpu_session.sh tests|suite|moe|tune|session}
+part=${1:?usage: gpu_session.sh tests|suite|rollout|moe|tune|session}
 OUT=${OUT:-/tmp/lw-gpu}
 mkdir -p "$OUT"
 if ! python3 -c "import torchao" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
@@ -42,10 +44,17 @@ demo_cuda() {
   timeout -s INT -k 10 "$1" python3 -m layerwise.cli demo --device cuda >"$OUT/demo_cuda.log" 2>&1
   echo "demo exit $?"; tail -n 8 "$OUT/demo_cuda.log"
 }
+# the suite's rollout part has its own step (rollout_8b): in the suite it would get only what the others leave
 suite_8b() {
   timeout -s INT -k 10 "$1" python3 -m layerwise.benchmarks.suite --device cuda --size 8b --budget "$2" \
-    --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/suite.log" 2>&1
+    --parts peak_memory,reload_latency,decode_step --out-dir "$OUT/results" --cache-dir /tmp/lw-bench \
+    >"$OUT/suite.log" 2>&1
   echo "suite exit $?"; tail -n 40 "$OUT/suite.log"
+}
+rollout_8b() {
+  timeout -s INT -k 10 "$1" python3 -m layerwise.benchmarks.rollout --device cuda --size 8b --budget "$2" \
+    --out-dir "$OUT/results" --cache-dir /tmp/lw-bench >"$OUT/rollout.log" 2>&1
+  echo "rollout exit $?"; tail -n 20 "$OUT/rollout.log"
 }
 case "$part" in
   tests)
@@ -54,6 +63,9 @@ case "$part" in
     ;;
   suite)
     suite_8b 560 500
+    ;;
+  rollout)
+    rollout_8b 560 500
     ;;
   moe)
     timeout -s INT -k 10 180 python3 -m layerwise.benchmarks.moe_load --device cuda --loads 3 --out-dir "$OUT/results" \
@@ -81,7 +93,7 @@ case "$part" in
     tar czf /tmp/gpu_session.tgz -C "$OUT" . && mv /tmp/gpu_session.tgz "$OUT/"
     ;;
   *)
-    echo "unknown part $part (tests|suite|moe|tune|session)" >&2
+    echo "unknown part $part (tests|suite|rollout|moe|tune|session)" >&2
     exit 2
     ;;
 esac

@@ -40,7 +40,7 @@ FILES = {
     "tp_load": "tp_load_cpu_default",
 }
 # the benchmarks of a GPU's part of the section (the suite's), in the order shown
-GPU_BENCHMARKS = ["suite", "peak_memory", "reload_latency", "decode_step", "moe_load"]
+GPU_BENCHMARKS = ["suite", "peak_memory", "reload_latency", "decode_step", "rollout", "moe_load"]
 DEMO_FILE = "demo_load_cpu"
 DEMO_BEGIN = re.compile(r"<!-- demo:begin.*?-->\n", re.DOTALL)
 DEMO_END = "<!-- demo:end -->"
@@ -147,6 +147,33 @@ def decode_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def rollout_table(result: dict) -> str:
+    """Markdown table of a rollout result: per configuration and batch, generated tokens/s, its ratio to the BF16
+    engine and to transformers, the call's seconds with the engine's prefill / decode split and time to the first
+    prefill's logits, and the FP8 target where one applies."""
+    lines = [
+        "| config | batch | tokens/s | / bf16 | / transformers | seconds | prefill / decode s | first prefill s "
+        "| target | met |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(result["results"], key=lambda r: r["batch"]):  # stable: the run's order within a batch
+        key = f"{r['config']} batch {r['batch']}"
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r['batch']} | did not run: {r['error'][:80]} | | | | | | | |")
+            continue
+        split = f"{r['prefill_seconds']:.2f} / {r['decode_seconds']:.2f}" if "prefill_seconds" in r else ""
+        met = result.get("met", {}).get(f"rollout {key}")
+        target = f">= {result['targets']['fp8_over_bf16']:g}" if met is not None else ""
+        verdict = "" if met is None else ("yes" if met else "**no**")
+        bf16 = 1.0 if r["config"] == "none" else result.get("fp8_over_bf16", {}).get(key)
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {r['tokens_per_second']:,.1f} | {_f(bf16)} | "
+            f"{_f(result.get('over_transformers', {}).get(key))} | {r['seconds']:.2f} | {split} | "
+            f"{_f(r.get('ttft_seconds'))} | {target} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
 _TARGET_ROWS = [  # (field of the suite summary, what it is)
     ("load_over_floor", "load / floor (second load in a process)"),
     ("first_load_over_floor", "first load in a fresh process / floor"),
@@ -159,6 +186,8 @@ _TARGET_ROWS = [  # (field of the suite summary, what it is)
     ("reload_dir_over_copy_floor", "reload from the checkpoint dir / copy floor"),
     ("reload_stream_over_copy_floor", "reload from an in-memory stream / copy floor"),
     ("decode_over_bf16", "decode step / BF16 step"),
+    ("rollout_fp8_over_bf16", "rollout tokens/s, FP8 / BF16 (higher is better: the target is a minimum)"),
+    ("rollout_over_transformers", "rollout tokens/s, engine / transformers"),
 ]
 
 
@@ -186,6 +215,8 @@ def _target(summary: dict, field: str, scheme: str) -> tuple[float | None, bool 
         return targets[field], met.get(f"peak {scheme}")
     if field == "decode_over_bf16" and scheme in summary.get("decode_targets", {}):
         return summary["decode_targets"][scheme], met.get(f"decode {scheme}")
+    if field == "rollout_fp8_over_bf16" and f"rollout {scheme}" in met:  # scheme: "<scheme> batch <b>"
+        return targets["rollout_fp8_over_bf16"], met[f"rollout {scheme}"]
     return None, None
 
 
@@ -232,11 +263,13 @@ def _machine(machine: dict, device: str) -> str:
 
 def _intro(pm: dict) -> str:
     return f"""\
-Reproduce with `python -m layerwise.benchmarks.suite` (load, reload and, on a GPU, the decode step, in one run
-under a time budget: `--device cuda --size 8b` for Llama-3-8B shapes), or one benchmark at a time: `layerwise
-bench` (= `python -m layerwise.benchmarks.peak_memory`), `python -m layerwise.benchmarks.reload_latency`,
-`python -m layerwise.benchmarks.decode_step` (on CUDA with each step's time per kernel category) and `python -m
-layerwise.benchmarks.quant_kernels` (`--size small|default|0.9b|8b`, `--device cpu|cuda`); `python -m
+Reproduce with `python -m layerwise.benchmarks.suite` (load, reload, rollout throughput and, on a GPU, the decode
+step, in one run under a time budget: `--device cuda --size 8b` for Llama-3-8B shapes), or one benchmark at a
+time: `layerwise bench` (= `python -m layerwise.benchmarks.peak_memory`), `python -m
+layerwise.benchmarks.reload_latency`, `python -m layerwise.benchmarks.decode_step` (on CUDA with each step's time
+per kernel category), `python -m layerwise.benchmarks.rollout` (`Engine.generate` tokens/s against transformers'
+`generate`) and `python -m layerwise.benchmarks.quant_kernels` (`--size small|default|0.9b|8b`, `--device
+cpu|cuda`); `python -m
 layerwise.benchmarks.gemm_tune --device cuda --write-configs` tunes the FP8 GEMMs' tiles for one GPU
 (`kernels/configs/<gpu>.json`, against cuBLAS BF16 and `_scaled_mm`), and `python -m
 layerwise.benchmarks.first_load_profile` profiles the first load in a process. Each writes its JSON (`layerwise
@@ -598,9 +631,60 @@ included; CPU: the second load); on CPU, the first load + `import layerwise` - t
 {t["first_minus_second_load_seconds"]} s (a torchao scheme: first - second less torchao's own import, measured in a
 fresh interpreter; results that predate the import figure: first - second);
 peak - final <= one BF16 layer; reload from a stream <= {t["reload_stream_over_copy_floor"]}x the copy floor;
-decode W8A8 (and auto) <= {t["decode_w8a8_over_bf16"]}x and W8A16 <= {t["decode_w8a16_over_bf16"]}x the BF16 step.
+decode W8A8 (and auto) <= {t["decode_w8a8_over_bf16"]}x and W8A16 <= {t["decode_w8a16_over_bf16"]}x the BF16 step\
+{_rollout_target(t)}.
 
 {targets_table(summary)}"""
+
+
+def _rollout_target(t: dict) -> str:
+    """The suite's rollout target in words ("" for results that predate it)."""
+    if "rollout_fp8_over_bf16" not in t:
+        return ""
+    batches = t.get("rollout_batches", "every batch")
+    at = batches if isinstance(batches, str) else "batch " + ", ".join(map(str, batches))
+    return f"; rollout FP8 tokens/s >= {t['rollout_fp8_over_bf16']}x BF16's ({at})"
+
+
+def _rollout(ro: dict, heading: str = "###") -> str:
+    """The rollout section (benchmarks/rollout.py): the problem as run, the table, the targets' verdict."""
+    p, t = ro["problem"], ro["targets"]
+    batches = "every batch" if t["batches"] == "every batch" else "batch " + ", ".join(map(str, t["batches"]))
+    verdicts = list(ro.get("met", {}).values())
+    verdict = "not measured" if not verdicts else ("met" if all(verdicts) else "**not met**")
+    warm = f", cut to {p['warmup_prompt_len']} tokens" if p.get("warmup_prompt_len") else ""
+    threads = ro["machine"]["torch_threads"]
+    return f"""{heading} Rollout throughput ({"CPU" if device_key(ro) == "cpu" else device_key(ro)}, size {ro["size"]})
+
+`Engine.generate` of {p["prompts"]} prompts of random token ids, {p["min_prompt_len"]} to {p["max_prompt_len"]} tokens \
+long (uniform, seed {p["seed"]}), each completed
+with exactly {p["max_tokens"]} tokens (temperature 1.0, `ignore_eos`, a seed per request), by `python -m
+layerwise.benchmarks.rollout`. Every configuration runs in a fresh process: one warm-up generate (the first
+`batch` prompts{warm}, their completions ending one captured batch size apart), then {_calls(ro)} with all
+prompts at once through `batch` KV cache slots (continuous batching). transformers: `AutoModelForCausalLM` in
+BF16, `generate` over left-padded batches of `batch` prompts (do_sample, temperature 1.0, min_new_tokens =
+max_new_tokens). Prefill / decode s: the engine's forwards within the call (sampling excluded); first prefill
+s: from the call until the first prefill's logits.
+Checkpoint: {_shape(ro)}.
+Run with {_provenance(ro)}, {threads} thread(s), {ro["total_seconds"]:.0f} s in all{_load_average(ro)}.
+
+{rollout_table(ro)}
+
+Target: FP8 tokens/s >= {t["fp8_over_bf16"]}x the BF16 engine's, each scheme, at {batches}: {verdict}."""
+
+
+def _calls(ro: dict) -> str:
+    repeats = ro.get("repeats", 1)
+    return "the timed call" if repeats == 1 else f"{repeats} timed calls (the fastest counts), each"
+
+
+def _load_average(ro: dict) -> str:
+    """The range of the rows' 1-minute load averages on a CPU, as a clause ("" on a GPU or for older results)."""
+    loads = [r["load_average"] for r in ro["results"] if "load_average" in r]
+    if not loads or device_key(ro) != "cpu":
+        return ""
+    cores = ro["machine"]["cpu_count"]
+    return f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f} on {cores} cores before the timed calls"
 
 
 def _hf_placement(pm: dict) -> str:
@@ -641,6 +725,8 @@ into preallocated device tensors (the H2D copy floor). {_reload_method(rl)}
 {ds["max_seq_len"]}-token static cache, CUDA graph replayed; median of the timed steps.
 
 {decode_table(ds)}""")
+    if "rollout" in data:
+        parts.append(_rollout(data["rollout"], heading="####"))
     if "suite" in data:
         parts.append(_targets(data["suite"], device))
     if "moe_load" in data:
@@ -668,14 +754,33 @@ def _headline_column(latest: dict, device: str) -> dict[str, str]:
     packed = {r["case"]: r for r in wt.get("results", [])}.get("update: packed", {})
     decode = suite.get("decode_over_bf16", {}).get(f"{HEADLINE_SCHEME}/w8a8")
     when = f"{suite['date'][:10]}, commit {suite.get('commit', 'unknown')}" if suite.get("date") else "not measured"
+    ro = latest.get(("rollout", device), (None, {}))[1]
     return {
         "peak": peak,
         "load": load,
         "reload": _cell(suite.get("reload_stream_over_copy_floor", {}).get(HEADLINE_SCHEME)),
         "sync": _cell(packed.get("over_floor")),
         "decode": _cell(decode) if device != "cpu" else "GPU only",
+        "rollout": _rollout_cell(ro, suite.get("size")),
         "when": when,
     }
+
+
+def _rollout_cell(ro: dict, size: str | None) -> str:
+    """The headline's rollout cell: FP8 (HEADLINE_SCHEME) tokens/s over BF16 at the largest batch run, the BF16
+    engine over transformers, and where and when it ran when that is not the column's checkpoint or run."""
+    prefix = f"{HEADLINE_SCHEME} batch "  # the keys of fp8_over_bf16: "<scheme> batch <b>"
+    found = sorted((int(k[len(prefix) :]), v) for k, v in ro.get("fp8_over_bf16", {}).items() if k.startswith(prefix))
+    if not found:
+        return "not measured"
+    batch, ratio = found[-1]
+    text = f"{ratio:.2f}x at batch {batch}"
+    hf = ro.get("over_transformers", {}).get(f"none batch {batch}")
+    if hf is not None:
+        text += f" (BF16 engine / transformers: {hf:.2f}x)"
+    if ro.get("size") != size:
+        text += f"; {ro.get('size')} checkpoint, {ro.get('date', '')[:10]}, commit {ro.get('commit', 'unknown')}"
+    return text
 
 
 _HEADLINE_ROWS = [
@@ -684,6 +789,7 @@ _HEADLINE_ROWS = [
     ("reload", "reload from a trainer's tensors / `copy_` floor"),
     ("sync", "weight sync, trainer process -> engine (packed) / broadcast floor"),
     ("decode", "decode step, FP8 W8A8 / BF16 (batch 8, CUDA graph)"),
+    ("rollout", "rollout tokens/s, FP8 / BF16 (`Engine.generate`; higher is better)"),
     ("when", "measured"),
 ]
 
@@ -743,6 +849,8 @@ def section(results: Path, readme: Path) -> str:
     ]
     for ml in _latest_per_size(results, "moe_load"):
         parts.append(_moe_load(ml))
+    if ("rollout", "cpu") in latest:
+        parts.append(_rollout(latest[("rollout", "cpu")][1]))
     if ("suite", "cpu") in latest:
         parts.append(_targets(latest[("suite", "cpu")][1], "CPU"))
     for device in sorted({d for b, d in latest if d != "cpu" and b in GPU_BENCHMARKS}):

@@ -11,14 +11,18 @@
 3. ``reload_latency``: every scheme, from the checkpoint directory and from a pinned in-memory stream,
    against the H2D copy floor;
 4. ``decode_step`` (CUDA only): FP8 per-tensor, per-channel and per-block as W8A8 and W8A16, and torchao
-   configs, against BF16, batch 8, CUDA graphs.
+   configs, against BF16, batch 8, CUDA graphs;
+5. ``rollout`` (issue 31): ``Engine.generate`` tokens/s of BF16 and each FP8 scheme against transformers'
+   ``generate``, at batch 8 and 64: on CUDA the issue's problem on the ``--size`` checkpoint, on CPU the rollout
+   benchmark's own smaller CPU problem and checkpoint (``rollout.PROBLEMS``), whatever ``--size`` is; one timed
+   call per configuration.
 
 Each part runs in fresh processes with its share of the budget; a part (or a method) that needs a missing
 optional module, does not apply to the device, fails or runs out of time is recorded with its reason, and
 the suite still writes every JSON. Writes DIR/peak_memory_<device>_<size>.json (+ .png),
-DIR/reload_latency_<device>_<size>.json, DIR/decode_step_<device>_<size>.json and
-DIR/suite_<device>_<size>.json: the issue's ratios as explicit fields, each with its target and whether it
-is met.
+DIR/reload_latency_<device>_<size>.json, DIR/decode_step_<device>_<size>.json,
+DIR/rollout_<device>_<its size>.json and DIR/suite_<device>_<size>.json: the issues' ratios as explicit fields,
+each with its target and whether it is met.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from layerwise.benchmarks import decode_step, peak_memory, reload_latency
+from layerwise.benchmarks import decode_step, peak_memory, reload_latency, rollout
 from layerwise.benchmarks.checkpoints import make_checkpoint
 from layerwise.benchmarks.checkpoints import shape as checkpoint_shape
 from layerwise.benchmarks.machine import describe_machine, provenance
@@ -51,7 +56,8 @@ DECODE_W8A8_OVER_BF16 = 0.7
 DECODE_W8A16_OVER_BF16 = 1.0
 FP8_SCHEMES = ("fp8-per-tensor", "fp8-per-channel", "fp8-per-block")
 # shares of the time left when a part starts (the last part gets the rest)
-SHARES = {"peak_memory": 0.5, "reload_latency": 0.55}
+SHARES = {"peak_memory": 0.5, "reload_latency": 0.55, "decode_step": 0.4}
+PARTS = ["peak_memory", "reload_latency", "decode_step", "rollout"]
 
 
 def _torchao_missing() -> str | None:
@@ -62,8 +68,8 @@ def _by(rows: list[dict], key: str) -> dict[str, dict]:
     return {r[key]: r for r in rows if key in r and "error" not in r}
 
 
-def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> dict:
-    """The issue's ratios as explicit fields, from the three results (None: the part did not run).
+def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None, ro: dict | None = None) -> dict:
+    """The issues' ratios as explicit fields, from the parts' results (None: the part did not run).
 
     Returns {field: {scheme or config: value}} plus ``met``: {target name: bool} for each measured target.
     """
@@ -81,6 +87,8 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
         "reload_stream_over_copy_floor": {},
         "decode_over_bf16": {},
         "decode_targets": {},  # config -> its target (FP8 schemes only)
+        "rollout_fp8_over_bf16": {},  # "<scheme> batch <b>" -> FP8 tokens/s / BF16 tokens/s (higher is better)
+        "rollout_over_transformers": {},  # "<config> batch <b>" -> engine tokens/s / transformers tokens/s
         "met": {},
         "targets": {
             "load_over_floor": LOAD_OVER_FLOOR,
@@ -89,6 +97,7 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
             "reload_stream_over_copy_floor": RELOAD_STREAM_OVER_COPY_FLOOR[kind if kind == "cuda" else "cpu"],
             "decode_w8a8_over_bf16": DECODE_W8A8_OVER_BF16,
             "decode_w8a16_over_bf16": DECODE_W8A16_OVER_BF16,
+            "rollout_fp8_over_bf16": rollout.FP8_OVER_BF16["cuda" if kind == "cuda" else "cpu"],  # a minimum
         },
     }
     if pm:
@@ -141,6 +150,12 @@ def targets(device: str, pm: dict | None, rl: dict | None, ds: dict | None) -> d
                 limit = DECODE_W8A16_OVER_BF16 if mode == "w8a16" else DECODE_W8A8_OVER_BF16
                 out["decode_targets"][config] = limit
                 out["met"][f"decode {config}"] = r["over_bf16"] <= limit
+    if ro:
+        out["rollout_fp8_over_bf16"] = dict(ro["fp8_over_bf16"])
+        out["rollout_over_transformers"] = dict(ro["over_transformers"])
+        out["targets"]["rollout_fp8_over_bf16"] = ro["targets"]["fp8_over_bf16"]
+        out["targets"]["rollout_batches"] = ro["targets"]["batches"]
+        out["met"].update(ro["met"])  # "rollout <scheme> batch <b>"
     return out
 
 
@@ -203,7 +218,7 @@ def run(
     def finish(part: str, result: dict, began: float) -> None:
         seconds[part] = time.monotonic() - began
         results[part] = result
-        name = f"{part}_{device.replace(':', '')}_{size}"
+        name = f"{part}_{device.replace(':', '')}_{result['size']}"  # the rollout's CPU size may differ
         written[part] = str(write_json(result, out_dir, name))
         if part == "peak_memory" and importlib.util.find_spec("matplotlib") is not None:
             peak_memory.plot(result, out_dir / f"{name}.png")  # else no plot: the JSON has the timelines
@@ -244,10 +259,17 @@ def run(
             skipped = peak_memory.missing_modules(configs)
         else:
             skipped = {c: "skipped: GPU-only (the issue's decode step is a CUDA-graph step on a GPU)" for c in configs}
+        left = _left(deadline) * (SHARES["decode_step"] if "rollout" in parts else 1.0)
         result = decode_step.run(
-            size, device, cache, configs, steps=20, warmup=3, timeout=max(_left(deadline) - 5, 1), skipped=skipped
+            size, device, cache, configs, steps=20, warmup=3, timeout=max(left - 5, 1), skipped=skipped
         )
         finish("decode_step", result, began)
+    if "rollout" in parts:
+        began = time.monotonic()
+        problem = rollout.PROBLEMS[kind] if kind != "cuda" else replace(rollout.PROBLEMS["cuda"], size=size)
+        # one timed call per configuration (the rollout benchmark's CPU default is the best of three)
+        result = rollout.run(device, cache, problem, budget=max(_left(deadline) - 5, 1), repeats=1)
+        finish("rollout", result, began)
 
     shape = checkpoint_shape(size)
     return {
@@ -264,28 +286,27 @@ def run(
         "torchao": torchao or "installed",
         "hf_placement": peak_memory.hf_placement_note(torch.device(device)),
         "machine": describe_machine(device),
-        **targets(device, results.get("peak_memory"), results.get("reload_latency"), results.get("decode_step")),
+        **targets(device, *(results.get(part) for part in PARTS)),
     }
 
 
 def summarize(out_dir: Path, device: str, size: str) -> dict:
     """The summary of part results already in ``out_dir`` ({part}_{device}_{size}.json, e.g. from two runs of
-    the suite with different ``--parts``), without running anything; where and when come from the parts
-    (the newest one's device name, versions, commit and date).
+    the suite with different ``--parts``; on CPU the rollout's at its own size), without running anything; where
+    and when come from the parts (the newest one's device name, versions, commit and date).
 
     Raises:
-        FileNotFoundError: none of the three part results is there.
+        FileNotFoundError: none of the part results is there.
     """
     import json
 
     stem = f"{device.replace(':', '')}_{size}"
-    results = {
-        part: json.loads((out_dir / f"{part}_{stem}.json").read_text())
-        for part in ("peak_memory", "reload_latency", "decode_step")
-        if (out_dir / f"{part}_{stem}.json").exists()
-    }
+    files = {part: out_dir / f"{part}_{stem}.json" for part in PARTS}
+    if torch.device(device).type != "cuda":
+        files["rollout"] = out_dir / f"rollout_{device.replace(':', '')}_{rollout.PROBLEMS['cpu'].size}.json"
+    results = {part: json.loads(path.read_text()) for part, path in files.items() if path.exists()}
     if not results:
-        raise FileNotFoundError(f"no peak_memory/reload_latency/decode_step_{stem}.json in {out_dir}")
+        raise FileNotFoundError(f"no {'/'.join(PARTS)}_{stem}.json in {out_dir}")
     newest = max(results.values(), key=lambda r: r.get("date") or "")
     keys = ("device_name", "versions", "commit", "date", "size", "shape", "checkpoint", "machine")
     return {
@@ -295,8 +316,8 @@ def summarize(out_dir: Path, device: str, size: str) -> dict:
         "summarized_from": {part: r.get("date") for part, r in results.items()},
         "generation_seconds": None,
         "total_seconds": None,
-        "files": {part: str(out_dir / f"{part}_{stem}.json") for part in results},
-        **targets(device, results.get("peak_memory"), results.get("reload_latency"), results.get("decode_step")),
+        "files": {part: str(files[part]) for part in results},
+        **targets(device, *(results.get(part) for part in PARTS)),
     }
 
 
@@ -312,9 +333,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--parts",
-        default="peak_memory,reload_latency,decode_step",
+        default=",".join(PARTS),
         metavar="P1,P2",
-        help="which parts to run (default: all three)",
+        help=f"which parts to run (default: all, {','.join(PARTS)})",
     )
     for option, choices in (
         ("--methods", peak_memory.METHODS),
@@ -355,7 +376,7 @@ def main(argv=None) -> int:
             parser.error(f"unknown {option}: {', '.join(sorted(set(chosen) - set(choices)))}")
         subsets[option] = chosen
     parts = args.parts.split(",")
-    unknown = set(parts) - {"peak_memory", "reload_latency", "decode_step"}
+    unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown part(s) {', '.join(sorted(unknown))}")
     if importlib.util.find_spec("transformers") is None:

@@ -346,6 +346,7 @@ def test_suite_runs_end_to_end_on_cpu_and_the_readme_shows_it_per_device(tmp_pat
     args = ["--size", "small", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--budget", "300"]
     methods = "floor-read-copy,layerwise-fp8-per-tensor,layerwise-torchao:Float8WeightOnlyConfig,hf-TorchAoConfig"
     subsets = ["--methods", methods, "--schemes", "none,fp8-per-tensor,torchao:Float8WeightOnlyConfig"]
+    subsets += ["--parts", "peak_memory,reload_latency,decode_step"]  # rollout: tests/test_rollout_benchmark.py
     assert suite.main([*args, *subsets]) == 0
     names = ["decode_step", "peak_memory", "reload_latency", "suite"]
     assert sorted(p.name for p in out.glob("*.json")) == [f"{n}_cpu_small.json" for n in names]
