@@ -660,11 +660,11 @@ def _rollout(ro: dict, heading: str = "###") -> str:
 long (uniform, seed {p["seed"]}), each completed
 with exactly {p["max_tokens"]} tokens (temperature 1.0, `ignore_eos`, a seed per request), by `python -m
 layerwise.benchmarks.rollout`. Every configuration runs in a fresh process: one warm-up generate (the first
-`batch` prompts{warm}, their completions ending one captured batch size apart), then {_calls(ro)} with all
-prompts at once through `batch` KV cache slots (continuous batching). transformers: `AutoModelForCausalLM` in
-BF16, `generate` over left-padded batches of `batch` prompts (do_sample, temperature 1.0, min_new_tokens =
-max_new_tokens). Prefill / decode s: the engine's forwards within the call (sampling excluded); first prefill
-s: from the call until the first prefill's logits.
+`batch` prompts{warm}, their completions ending one captured batch size apart),
+then {_calls(ro)} with all prompts at once through `batch` KV cache slots (continuous batching).
+transformers: `AutoModelForCausalLM` in BF16, `generate` over left-padded batches of `batch` prompts
+(do_sample, temperature 1.0, min_new_tokens = max_new_tokens). Prefill / decode s: the engine's forwards
+within the call (sampling excluded); first prefill s: from the call until the first prefill's logits.
 Checkpoint: {_shape(ro)}.
 Run with {_provenance(ro)}, {threads} thread(s), {ro["total_seconds"]:.0f} s in all{_load_average(ro)}.
 
