@@ -1,9 +1,12 @@
 """Next-token sampling and log-probabilities for a batch of requests, each with its own SamplingParams.
 
-All of it runs on the logits' device in float32, outside any CUDA graph. The draw is the exponential-race
-form of the Gumbel-max trick: token = argmax(p_i / q_i) with q_i ~ Exp(1) i.i.d. selects token i with
-probability p_i; a seeded request draws its q from its own ``torch.Generator``, so its tokens depend on its
-seed alone, not on the other rows of the batch (vLLM's per-request generators work the same way).
+All of it runs on the logits' device in float32 (the cumulative distribution in float64), outside any CUDA
+graph. A draw is an inverse-CDF lookup: one uniform u per row, and the token is the first whose cumulative
+probability exceeds u (exact for every token, however small its probability: float64 sums over a
+vocabulary of 10^5-10^6 tokens keep every step). A seeded request draws its u from its own
+``torch.Generator``, so its tokens depend on its seed alone, not on the other rows of the batch (vLLM's
+per-request generators); one uniform per row and step is all a generator gives, so a seed's sequence does
+not depend on the vocabulary's size either.
 """
 
 from __future__ import annotations
@@ -103,14 +106,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy_tokens = logits.argmax(-1)
     if batch.all_greedy:
         return greedy_tokens
-    probs = processed_logits(logits, batch).softmax(-1)
-    race = torch.empty_like(probs)
+    cdf = processed_logits(logits, batch).softmax(-1).double().cumsum(-1)  # [B, V], last column ~1
+    rows = logits.shape[0]
     if any(g is None for g in batch.generators):
-        race.exponential_()
+        uniform = torch.rand(rows, dtype=torch.float64, device=logits.device)
+    else:
+        uniform = torch.empty(rows, dtype=torch.float64, device=logits.device)
     for row, generator in enumerate(batch.generators):
         if generator is not None:
-            race[row].exponential_(generator=generator)
-    drawn = (probs / race).argmax(-1)
+            uniform[row : row + 1] = torch.rand(1, dtype=torch.float64, device=logits.device, generator=generator)
+    total = cdf[:, -1]
+    # strictly below the total, so some token's cumulative probability exceeds it; the first such token has a
+    # positive probability (the CDF rises there), so a masked token is never drawn
+    target = torch.minimum(uniform * total, total.nextafter(torch.zeros_like(total)))
+    drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
     return torch.where(batch.greedy, greedy_tokens, drawn)
 
 

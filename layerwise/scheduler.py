@@ -1,9 +1,10 @@
 """Requests, their sequences, and which of them hold the KV cache's slots (continuous batching).
 
-A request is one prompt with its SamplingParams; it has ``n`` sequences (completions). Requests wait in
-arrival order; one is admitted when all ``n`` of its sequences fit in free slots and the prefill's padded
-token count stays within the budget, so a step prefills as many waiting prompts as fit. Every step then
-either prefills what was admitted or decodes one token for every running sequence; a sequence that
+A request is one prompt with its SamplingParams; it has ``n`` sequences (completions). Requests wait longest
+prompt first (a generate call still returns them in the caller's order), so the prompts prefilled together have
+similar lengths and pad little. One is admitted when all ``n`` of its sequences fit in free slots and the
+prefill's padded token count stays within the budget, so a step prefills as many waiting prompts as fit. Every
+step then either prefills what was admitted or decodes one token for every running sequence; a sequence that
 finishes frees its slot at once, and the next step may give it to a waiting prompt (nano-vllm's and vLLM's
 scheduling, without preemption: a slot holds a whole sequence, so an admitted sequence always runs to its end).
 
@@ -140,7 +141,9 @@ class Scheduler:
     """
 
     def __init__(self, requests: list[Request], max_batch_size: int, max_num_batched_tokens: int):
-        self.waiting: deque[Request] = deque(requests)
+        # longest prompts first: prompts admitted together have similar lengths, so a prefill pads little (the
+        # outputs keep the caller's order; each request's tokens depend on its own seed, not on its neighbours)
+        self.waiting: deque[Request] = deque(sorted(requests, key=lambda r: -len(r.prompt_token_ids)))
         self.running: list[Sequence] = []  # running[i] holds slot i
         self.max_batch_size, self.max_num_batched_tokens = max_batch_size, max_num_batched_tokens
 
