@@ -391,27 +391,23 @@ def _reload(args) -> int:
     path_a = _checkpoint_dir(args.path_a, "PATH_A") if args.path_a else demo_checkpoint(args.cache_dir, seed=0)
     path_b = _checkpoint_dir(args.path_b, "PATH_B") if args.path_b else demo_checkpoint(args.cache_dir, seed=1)
     prompts = [PROMPT, [5, 3]]
-    engine = Engine.from_pretrained(
-        path_a,
-        max_batch_size=len(prompts),
-        max_seq_len=64,
-        tokenizer=False,
-        quantization=args.quantization,
-        device=args.device,
-    )
+
+    def engine_of(path):
+        return Engine.from_pretrained(
+            path,
+            max_batch_size=len(prompts),
+            max_seq_len=64,
+            tokenizer=False,
+            quantization=args.quantization,
+            device=args.device,
+        )
+
+    engine = engine_of(path_a)
     tokens_a = _greedy(engine, prompts, args.tokens)
     addresses = {name: (t, t.data_ptr()) for name, t in named_kernel_tensors(engine.model).items()}
     report = engine.reload_weights(path_b)
     tokens_after = _greedy(engine, prompts, args.tokens)
-    fresh = Engine.from_pretrained(
-        path_b,
-        max_batch_size=len(prompts),
-        max_seq_len=64,
-        tokenizer=False,
-        quantization=args.quantization,
-        device=args.device,
-    )
-    tokens_b = _greedy(fresh, prompts, args.tokens)
+    tokens_b = _greedy(engine_of(path_b), prompts, args.tokens)
     now = named_kernel_tensors(engine.model)
     kept = sum(now[n] is t and now[n].data_ptr() == ptr for n, (t, ptr) in addresses.items())
     print(f"A: {path_a}\nB: {path_b}")
