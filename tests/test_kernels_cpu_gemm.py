@@ -191,6 +191,12 @@ def test_what_linear_fp8_refuses():
         assert cpu_native.supports_linear(xg, q, s)
 
 
+def test_without_the_extension_nothing_is_taken(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_cpu_fp8", None)
+    assert cpu_native.gemm_path() is None
+    assert not cpu_native.supports_linear(torch.randn(2, 16), torch.zeros(8, 16, dtype=FP8), torch.ones(1))
+
+
 SCHEMES = {"fp8": "tensor", "fp8-per-channel": "channel", "fp8-per-block": "block"}
 
 
