@@ -8,8 +8,8 @@ own CPU time instead.
 Categories (first match of the kernel or operator name, case-insensitive):
 
 * ``attention``: SDPA's kernels;
-* ``gemm``: cuBLAS / cuBLASLt / CUTLASS kernels (gemm and gemv) (BF16 ``F.linear``, ``torch._scaled_mm``) and the
-  Triton FP8 GEMMs with their split-K reduction;
+* ``gemm``: cuBLAS / cuBLASLt / CUTLASS kernels (gemm and gemv) (BF16 ``F.linear``, ``torch._scaled_mm``), the
+  Triton FP8 GEMMs with their split-K reduction, and on CPU the native FP8 W8A16 GEMM (``layerwise::linear_fp8``);
 * ``act_quant``: the fused activation quantization (``kernels.fp8_act``);
 * ``other``: everything else (norms, rotary, residual adds, KV cache writes, casts, copies).
 """
@@ -21,7 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-GEMM_NAMES = r"gemm|gemv|cutlass|xmma|nvjet|cublas|scaled_mm|split_k_reduce|aten::(linear|matmul|addmm|mm|bmm)\b"
+GEMM_NAMES = (
+    r"gemm|gemv|cutlass|xmma|nvjet|cublas|scaled_mm|split_k_reduce|aten::(linear|matmul|addmm|mm|bmm)\b"
+    r"|layerwise::linear_fp8"  # the native CPU W8A16 GEMM (kernels.cpu_native.LINEAR_FP8_PROFILE_NAME)
+)
 CATEGORIES = (  # attention first: SDPA's memory-efficient kernel is a CUTLASS one (fmha_cutlassF...)
     ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.I)),
     ("gemm", re.compile(GEMM_NAMES, re.I)),

@@ -223,3 +223,14 @@ def test_model_logits_through_the_fused_path_match_dequantize_and_linear(hf_chec
         err = (new - old).abs().max().item()
         bound = (1e-4 if dtype == torch.float32 else 3e-2) * old.abs().max().item()
         assert err <= bound, f"{arch} {scheme} {dtype}: max |diff| {err}, bound {bound}"
+
+
+@native
+def test_a_profile_shows_the_kernel_as_an_operator():
+    from torch.profiler import ProfilerActivity, profile
+
+    q, s, x = torch.zeros(16, 32, dtype=FP8), torch.ones(1), torch.randn(4, 32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cpu_native.linear_fp8(x, q, s)
+    names = [e.key for e in prof.key_averages()]
+    assert cpu_native.LINEAR_FP8_PROFILE_NAME in names
