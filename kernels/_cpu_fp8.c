@@ -732,10 +732,11 @@ static PyObject *py_scale_from_amax(PyObject *self, PyObject *args) {
  * not depend on what it is batched with.
  *
  * e4m3fn -> float32: the byte b as float16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 7) is exactly b's value / 2^8
- * (the 4-bit exponent lands in the low bits of float16's 5-bit one, and e4m3 subnormals become float16 normals),
- * so F16C converts 8 at a time and one multiply by 2^8 * scale gives float32(w) * scale with one rounding (2^8 *
- * scale is exact while finite). The portable path, and the AVX2 one for NaN bytes (0x7F, 0xFF), read a 256-entry
- * table. Scale layouts: 0 one per tensor, 1 one per row, 2 one per 128 x 128 block ([ceil(n/128), ceil(k/128)]).
+ * (the 4-bit exponent lands in the low bits of float16's 5-bit one; e4m3 subnormals become float16 subnormals,
+ * which F16C converts exactly), so F16C converts 8 at a time and one multiply by 2^8 * scale gives float32(w) *
+ * scale with one rounding (2^8 * scale is exact while finite). The portable path, and the AVX2 one for NaN bytes
+ * (0x7F, 0xFF), read a 256-entry table. Scale layouts: 0 one per tensor, 1 one per row, 2 one per 128 x 128
+ * block ([ceil(n/128), ceil(k/128)]).
  * Dtype codes of x, y and the bias: 0 bfloat16, 1 float32, 2 float16. */
 #define GEMM_MR 4                    /* rows of x per micro-tile */
 #define GEMM_NR 3                    /* rows of the weight (output features) per micro-tile: 12 accumulators */

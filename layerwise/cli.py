@@ -239,7 +239,8 @@ def _generate(args) -> int:
         for completion in output.outputs:
             label = f"prompt {output.request_id}" + (f", completion {completion.index}" if args.n > 1 else "")
             shown = output.prompt if output.prompt is not None else output.prompt_token_ids
-            print(f"=== {label}: {shown!r} ({_finish(completion)}, {len(completion.token_ids)} tokens)")
+            finish = _finish(completion, engine.eos_token_ids)
+            print(f"=== {label}: {shown!r} ({finish}, {len(completion.token_ids)} tokens)")
             print(completion.text if engine.tokenizer is not None else completion.token_ids)
             _print_logprobs(completion, params.logprobs)
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -348,18 +349,22 @@ def _stream_one(engine, prompt, params) -> int:
     if engine.tokenizer is not None and completion.text != printed:  # the text changed behind what was printed
         print(f"\n(the whole completion: {completion.text!r})", end="")
     n = len(completion.token_ids)
-    print(f"\n[{_finish(completion)}, {n} tokens in {seconds:.2f} s: {n / seconds:.1f} tokens/s]")
+    finish = _finish(completion, engine.eos_token_ids)
+    print(f"\n[{finish}, {n} tokens in {seconds:.2f} s: {n / seconds:.1f} tokens/s]")
     _print_logprobs(completion, params.logprobs)
     return 0
 
 
-def _finish(completion) -> str:
-    """The finish reason in words: 'length', 'stop (EOS 603)' or 'stop (stop id 5)'."""
+def _finish(completion, eos_token_ids) -> str:
+    """The finish reason in words: 'length', 'stop (EOS 603)' (one of the engine's ``eos_token_ids``, which vLLM
+    reports with stop_reason None for the tokenizer's and with the id for the checkpoint's others) or
+    'stop (stop id 5)'."""
     if completion.finish_reason != "stop":
         return str(completion.finish_reason)
-    if completion.stop_reason is not None:
-        return f"stop (stop id {completion.stop_reason})"
-    return f"stop (EOS {completion.token_ids[-1]})"  # the EOS id is kept in token_ids
+    last = completion.token_ids[-1]  # the stop or EOS id is kept in token_ids
+    if completion.stop_reason is None or last in eos_token_ids:
+        return f"stop (EOS {last})"
+    return f"stop (stop id {completion.stop_reason})"
 
 
 def _print_logprobs(completion, k: int | None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import operator
 import threading
 from collections.abc import Iterator, Sequence
@@ -30,7 +31,7 @@ from layerwise.model_runner import ModelRunner
 from layerwise.outputs import RequestOutput
 from layerwise.sampler import SamplingBatch, position_logprobs, sample, token_logprobs
 from layerwise.sampling_params import SamplingParams
-from layerwise.scheduler import Request, Scheduler
+from layerwise.scheduler import Request, Scheduler, StopIds
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prefill budget (padded tokens per forward) unless max_seq_len is larger
 
@@ -44,8 +45,9 @@ class Engine:
         max_seq_len: most tokens per sequence, prompt plus generated (each slot's length).
         use_cuda_graph: capture decode steps as CUDA graphs; default: True on CUDA, and never on CPU.
         tokenizer: a Hugging Face tokenizer for text prompts and outputs, or None (token ids only).
-        eos_token_ids: ids that end a completion unless ``ignore_eos`` (:meth:`from_pretrained` reads the
-            checkpoint's); default none.
+        eos_token_ids: the checkpoint's EOS ids (:meth:`from_pretrained` reads them); with the tokenizer's own
+            ``eos_token_id`` they end a completion unless ``ignore_eos``, split as vLLM splits them: the
+            tokenizer's EOS gives stop_reason None, the others their id.
         max_num_batched_tokens: most tokens (padding included) in one prefill forward; default
             max(2048, max_seq_len).
         cuda_graph_sizes: the batch sizes captured (default 1, 2, 4, 8, 16, ... up to max_batch_size).
@@ -79,13 +81,18 @@ class Engine:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
+        if cuda_graph_sizes is not None and any(int(size) < 1 for size in cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be >= 1, got {list(cuda_graph_sizes)}")
         self.use_cuda_graph = use_cuda_graph
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_seq_len)
         self.runner = ModelRunner(model, max_batch_size, max_seq_len, use_cuda_graph, cuda_graph_sizes)
         self.tokenizer = tokenizer
         self._no_tokenizer_reason: str | None = None  # from_pretrained: why the checkpoint's tokenizer is not here
-        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        main = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids) | ({main} if main is not None else set())
+        self.stop_ids = StopIds(main, self.eos_token_ids - {main})
+        self._request_ids = itertools.count()  # request ids count up across calls, as vLLM's LLM's do
         self._weights_lock = threading.Lock()  # held by each forward step and by each weight update
         self._generating = threading.Lock()  # one generation at a time owns the KV cache's slots
         self._generating_owner: int | None = None
@@ -190,10 +197,15 @@ class Engine:
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding its ``RequestOutput`` (cumulative: all tokens so far) after every step;
-        the last one has ``finished=True``. Weight updates may run between yields. Errors as :meth:`generate`."""
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            raise ValueError("stream takes one prompt; use generate for several")
-        (request,) = self._requests(prompt, sampling_params)
+        the last one has ``finished=True``. The prompt is checked at the call (errors as :meth:`generate`);
+        ``reload_weights`` and ``update_weights`` from another thread may land between yields (then the
+        completion mixes tokens of both weights)."""
+        requests = self._requests(prompt, sampling_params)
+        if len(requests) != 1:
+            raise ValueError(f"stream takes one prompt, got {len(requests)}; use generate for several")
+        return self._stream(requests[0])
+
+    def _stream(self, request: Request) -> Iterator[RequestOutput]:
         for _ in self._steps([request], use_tqdm=False):
             yield request.output(self._text)
 
@@ -245,6 +257,7 @@ class Engine:
             float32 logits [B, vocab]; with a CUDA graph a view of its output buffer, overwritten by the
             next step of the same size (clone it to keep it).
         """
+        self._refuse_nested_update()
         with self._weights_lock:
             return self.runner.decode(tokens.view(-1).tolist(), positions.view(-1).tolist())
 
@@ -270,6 +283,11 @@ class Engine:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__} "
+                f"(the number of new tokens is SamplingParams(max_tokens=...))"
+            )
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -292,7 +310,9 @@ class Engine:
                 )
             if p.n > self.max_batch_size:
                 raise ValueError(f"n={p.n} completions do not fit max_batch_size={self.max_batch_size} slots")
-            requests.append(Request(str(i), text, ids, p))
+            requests.append(Request(text, ids, p))
+        for request in requests:  # ids only once every request is valid
+            request.request_id = str(next(self._request_ids))
         return requests
 
     def _prompt(self, prompt, index: int) -> tuple[str | None, list[int]]:
@@ -324,13 +344,20 @@ class Engine:
             )
         return self.tokenizer
 
-    def _text(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
+    def _text(self, token_ids: list[int], params: SamplingParams) -> str:
+        if self.tokenizer is None or not params.detokenize:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _namer(self, params: SamplingParams):
+        """id -> its text for logprob entries, or None (no tokenizer, or detokenize=False)."""
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return lambda token_id: self.tokenizer.decode([token_id])
+
+    def _top(self, k: int) -> int:
+        """How many most likely tokens a logprobs setting asks for (-1: the whole vocabulary)."""
+        return self.model.config.vocab_size if k == -1 else k
 
     def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
         """Run the requests to their end, one forward step per iteration, owning the KV cache meanwhile."""
@@ -355,6 +382,7 @@ class Engine:
         done = 0
         with tqdm(total=len(requests), desc="generate", unit="prompt", disable=not use_tqdm) as bar:
             while scheduler.has_work():
+                self._refuse_nested_update()  # e.g. start_weight_update between a stream's yields, same thread
                 admitted = scheduler.admit()
                 if admitted:
                     self._prefill(scheduler, admitted)
@@ -397,17 +425,16 @@ class Engine:
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if wanted:
             rows = torch.tensor(wanted, device=logits.device)
-            top = max(seqs[i].params.logprobs for i in wanted)
+            ks = [self._top(seqs[i].params.logprobs) for i in wanted]
             values, ranks, top_ids, top_values = token_logprobs(
-                torch.log_softmax(logits.index_select(0, rows), -1), tokens.index_select(0, rows), top
+                torch.log_softmax(logits.index_select(0, rows), -1), tokens.index_select(0, rows), max(ks)
             )
             chosen = tokens.index_select(0, rows).tolist()
-            name = self._token_text if self.tokenizer is not None else None
-            for j, i in enumerate(wanted):
-                k = seqs[i].params.logprobs
+            for j, (i, k) in enumerate(zip(wanted, ks, strict=True)):
+                name = self._namer(seqs[i].params)
                 entries[i] = position_logprobs(chosen[j], values[j], ranks[j], top_ids[j][:k], top_values[j][:k], name)
         for seq, token, entry in zip(seqs, tokens.tolist(), entries, strict=True):
-            seq.append(token, entry, self.eos_token_ids)
+            seq.append(token, entry, self.stop_ids)
 
     def _prompt_logprobs(self, request: Request, logits: torch.Tensor) -> list:
         """Entries for prompt tokens 1..len-1 from float32 ``logits`` [len - 1, vocab] (the first is None)."""
@@ -415,9 +442,9 @@ class Engine:
         if len(ids) == 1:
             return [None]
         targets = torch.tensor(ids[1:], device=logits.device)
-        top = request.params.prompt_logprobs
+        top = self._top(request.params.prompt_logprobs)
         values, ranks, top_ids, top_values = token_logprobs(torch.log_softmax(logits, -1), targets, top)
-        name = self._token_text if self.tokenizer is not None else None
+        name = self._namer(request.params)
         return [None] + [
             position_logprobs(t, values[j], ranks[j], top_ids[j], top_values[j], name) for j, t in enumerate(ids[1:])
         ]

@@ -61,7 +61,8 @@ class RequestOutput:
     """A prompt and its completions.
 
     Attributes:
-        request_id: the prompt's index in the ``generate`` call, as a string (vLLM's offline ids count up too).
+        request_id: the engine's count of requests before this one, as a string: ids count up across calls, as
+            vLLM's ``LLM`` counts them.
         prompt: the prompt text, None for a token-id prompt.
         prompt_token_ids: the prompt's ids.
         prompt_logprobs: None unless requested; else one entry per prompt token, the first None (nothing

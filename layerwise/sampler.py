@@ -4,7 +4,7 @@ All of it runs on the logits' device in float32 (the cumulative distribution in 
 graph. A draw is an inverse-CDF lookup: one uniform u per row, and the token is the first whose cumulative
 probability exceeds u (exact for every token, however small its probability: float64 sums over a
 vocabulary of 10^5-10^6 tokens keep every step). A seeded request draws its u from its own
-``torch.Generator``, so its tokens depend on its seed alone, not on the other rows of the batch (vLLM's
+``torch.Generator``, so its draws depend on its seed alone, not on the other rows of the batch (vLLM's
 per-request generators); one uniform per row and step is all a generator gives, so a seed's sequence does
 not depend on the vocabulary's size either.
 """
@@ -119,7 +119,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # strictly below the total, so some token's cumulative probability exceeds it; the first such token has a
     # positive probability (the CDF rises there), so a masked token is never drawn
     target = torch.minimum(uniform * total, total.nextafter(torch.zeros_like(total)))
-    drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    # a row of NaN logits (broken weights) would find no token: keep the id inside the vocabulary, so the next
+    # step's embedding lookup stays in range (on CUDA an out-of-range id is a device-side assert)
+    drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
     return torch.where(batch.greedy, greedy_tokens, drawn)
 
 

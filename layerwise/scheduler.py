@@ -23,6 +23,20 @@ from layerwise.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from layerwise.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class StopIds:
+    """The ids that end every completion, split as vLLM splits them.
+
+    Attributes:
+        eos_token_id: the tokenizer's EOS id (a completion ending with it has stop_reason None), or None.
+        other_eos: the checkpoint's other EOS ids (generation_config.json / config.json), which vLLM adds to each
+            request's stop ids: a completion ending with one has that id as stop_reason.
+    """
+
+    eos_token_id: int | None = None
+    other_eos: frozenset[int] = frozenset()
+
+
 @dataclass
 class Sequence:
     """One completion being generated.
@@ -55,26 +69,28 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, entry: PositionLogprobs | None, eos_token_ids: frozenset[int]) -> None:
-        """Add a sampled token (with its logprob entry when requested) and apply the stop rules, in vLLM's order:
-        a stop id, then EOS (unless ignore_eos), then the length."""
+    def append(self, token: int, entry: PositionLogprobs | None, stops: StopIds) -> None:
+        """Add a sampled token (with its logprob entry when requested) and apply the stop rules in vLLM's order: the
+        tokenizer's EOS (stop_reason None), then the request's stop ids and the checkpoint's other EOS ids
+        (stop_reason the id; EOS ids not with ignore_eos), then the length."""
         self.token_ids.append(token)
         if entry is not None:
             self.logprobs.append(entry)
             self.cumulative_logprob += entry[token].logprob
-        if self.params.stop_token_ids and token in self.params.stop_token_ids:
-            self.finish_reason, self.stop_reason = "stop", token
-        elif not self.params.ignore_eos and token in eos_token_ids:
+        eos = not self.params.ignore_eos
+        if eos and token == stops.eos_token_id:
             self.finish_reason = "stop"
+        elif (self.params.stop_token_ids and token in self.params.stop_token_ids) or (eos and token in stops.other_eos):
+            self.finish_reason, self.stop_reason = "stop", token
         elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
 
     def output(self, decode_text) -> CompletionOutput:
-        """The completion as vLLM's ``CompletionOutput``; ``decode_text`` (ids -> str) gives its text."""
+        """The completion as vLLM's ``CompletionOutput``; ``decode_text(ids, params)`` gives its text."""
         wants = self.params.logprobs is not None
         return CompletionOutput(
             index=self.index,
-            text=decode_text(self.token_ids),
+            text=decode_text(self.token_ids, self.params),
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob if wants else None,
             logprobs=list(self.logprobs) if wants else None,
@@ -88,17 +104,17 @@ class Request:
     """One prompt and its sequences.
 
     Attributes:
-        request_id: its index in the generate call, as a string.
         prompt: the text, None for a token-id prompt; prompt_token_ids: the ids.
         params: the request's SamplingParams.
+        request_id: the engine's count of requests so far, as a string (set once the whole call is valid).
         sequences: its n completions.
         prompt_logprobs: filled at prefill when params.prompt_logprobs is set.
     """
 
-    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    request_id: str = ""
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
@@ -142,7 +158,7 @@ class Scheduler:
 
     def __init__(self, requests: list[Request], max_batch_size: int, max_num_batched_tokens: int):
         # longest prompts first: prompts admitted together have similar lengths, so a prefill pads little (the
-        # outputs keep the caller's order; each request's tokens depend on its own seed, not on its neighbours)
+        # outputs keep the caller's order; each request's draws depend on its own seed, not on its neighbours)
         self.waiting: deque[Request] = deque(sorted(requests, key=lambda r: -len(r.prompt_token_ids)))
         self.running: list[Sequence] = []  # running[i] holds slot i
         self.max_batch_size, self.max_num_batched_tokens = max_batch_size, max_num_batched_tokens

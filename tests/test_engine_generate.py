@@ -123,22 +123,34 @@ def test_n_greedy_completions_share_the_prompt_cache(engine, hf):
         assert [c.token_ids for c in request.outputs] == [hf_greedy(hf, prompt, 4)] * 2
 
 
+class _EosTokenizer:
+    """Stands in for a tokenizer whose eos_token_id is ``eos`` (token-id prompts: nothing else is used)."""
+
+    def __init__(self, eos):
+        self.eos_token_id = eos
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
 def test_eos_and_stop_ids_stop_a_sequence(ckpt):
+    """vLLM's stop rules: the tokenizer's EOS stops with stop_reason None, the checkpoint's other EOS ids and the
+    request's stop ids with their id, ignore_eos turns EOS off, max_tokens and the context end give "length"."""
     plain = Engine.from_pretrained(ckpt, max_batch_size=2, max_seq_len=40, quantization=None, dtype=torch.float32)
     prompt = PROMPTS[0]
     free = greedy(plain, [prompt], 10)[0]
     eos, stop = free[3], free[5]
     first_eos, first_stop = free.index(eos), free.index(stop)
-    engine = Engine(plain.model, max_batch_size=2, max_seq_len=40, eos_token_ids=[eos, 127])
-    out = engine.generate(
-        [prompt, prompt],
-        [SamplingParams(temperature=0, max_tokens=10), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)],
-    )
-    stopped, ignored = out[0].outputs[0], out[1].outputs[0]
-    assert (
-        stopped.token_ids == free[: first_eos + 1] and stopped.finish_reason == "stop" and stopped.stop_reason is None
-    )
-    assert ignored.token_ids == free and ignored.finish_reason == "length"
+    greedy10 = SamplingParams(temperature=0, max_tokens=10)
+    for tokenizer, reason in ((_EosTokenizer(eos), None), (None, eos)):  # tokenizer's EOS, or a checkpoint EOS id
+        engine = Engine(plain.model, max_batch_size=2, max_seq_len=40, tokenizer=tokenizer, eos_token_ids=[eos, 127])
+        out = engine.generate(
+            [prompt, prompt], [greedy10, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+        )
+        stopped, ignored = out[0].outputs[0], out[1].outputs[0]
+        assert stopped.token_ids == free[: first_eos + 1] and stopped.finish_reason == "stop"
+        assert stopped.stop_reason == reason
+        assert ignored.token_ids == free and ignored.finish_reason == "length"
     by_id = engine.generate(
         prompt, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop], ignore_eos=True)
     )
@@ -200,7 +212,7 @@ def test_generate_update_generate_equals_a_fresh_engine(tmp_path):
         ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"seed": "x"}, "seed"),
     ],
@@ -228,8 +240,16 @@ def test_vllm_defaults_and_names():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.logprobs) == (1, 1.0, 1.0, 0, 0.0, 16, None)
     assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(temperature=0).greedy
     assert layerwise.SamplingParams is SamplingParams and layerwise.RequestOutput.__name__ == "RequestOutput"
+    # vLLM fields this engine does not implement: accepted at their do-nothing values, refused otherwise
+    noop = dict(min_tokens=0, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0, stop=[], best_of=1)
+    assert SamplingParams(**noop).clone() == SamplingParams(**noop)
+    for name, value in [("min_tokens", 4), ("stop", ["\n"]), ("repetition_penalty", 1.1), ("best_of", 4)]:
+        with pytest.raises(ValueError, match=rf"^{name}="):
+            SamplingParams(**{name: value})
     with pytest.raises(TypeError):
-        SamplingParams(best_of=2)  # a vLLM field this engine does not implement is refused, not ignored
+        SamplingParams(use_beam_search=True)  # not a vLLM SamplingParams field either
+    with pytest.raises(ValueError, match="^seed"):
+        SamplingParams(seed=2**64 - 1, n=2)  # completion 1 would need seed 2**64
 
 
 def test_the_padded_graph_path_gives_transformers_tokens(ckpt, hf):
@@ -266,3 +286,28 @@ def test_an_unfinished_stream_blocks_a_second_generation_in_its_thread(engine, h
     abandoned.close()  # closing (or dropping) a stream ends its generation
     assert len(engine.generate(PROMPTS[1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
     assert len(engine.generate(PROMPTS[1], SamplingParams(max_tokens=1, logprobs=500))[0].outputs[0].logprobs[0]) == 128
+    assert len(engine.generate(PROMPTS[1], SamplingParams(max_tokens=1, logprobs=-1))[0].outputs[0].logprobs[0]) == 128
+
+
+def test_a_weight_update_opened_between_stream_steps_is_an_error_not_a_deadlock(engine):
+    stream = engine.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))
+    next(stream)
+    engine.start_weight_update(is_checkpoint_format=True)
+    try:
+        with pytest.raises(RuntimeError, match="finish_weight_update"):
+            next(stream)
+        with pytest.raises(RuntimeError, match="finish_weight_update"):
+            engine.decode(torch.ones(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    finally:
+        engine.abort_weight_update()
+    assert len(engine.generate(PROMPTS[1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def test_request_ids_count_up_across_calls_and_old_calls_get_a_clear_error(engine):
+    first = [out.request_id for out in engine.generate(PROMPTS[:2], SamplingParams(max_tokens=1))]
+    second = [out.request_id for out in engine.generate(PROMPTS[:2], SamplingParams(max_tokens=1))]
+    assert int(second[0]) == int(first[1]) + 1 and len(set(first + second)) == 4
+    with pytest.raises(TypeError, match="max_tokens"):
+        engine.generate(PROMPTS[:2], 16)  # the old generate(prompts, max_new_tokens)
+    with pytest.raises(ValueError, match="one prompt"):
+        engine.stream(PROMPTS[:2], SamplingParams(max_tokens=1))

@@ -104,3 +104,10 @@ def test_greedy_rows_take_the_argmax_whatever_the_other_rows_do():
         assert sample(logits, batch)[0].item() == 0
     batch = SamplingBatch.of([SamplingParams(temperature=0)] * 2, [None, None], torch.device("cpu"))
     assert sample(logits, batch).tolist() == [0, len(LOGITS) - 1]
+
+
+def test_a_nan_row_draws_an_id_inside_the_vocabulary():
+    logits = torch.tensor([LOGITS, [float("nan")] * len(LOGITS)])
+    batch = SamplingBatch.of([SamplingParams(temperature=1.0)] * 2, [None, None], torch.device("cpu"))
+    for _ in range(20):
+        assert 0 <= sample(logits, batch)[1].item() < len(LOGITS)
