@@ -94,6 +94,10 @@ class Engine:
         self.stop_ids = StopIds(main, self.eos_token_ids - {main})
         self._request_ids = itertools.count()  # request ids count up across calls, as vLLM's LLM's do
         self._weights_lock = threading.Lock()  # held by each forward step and by each weight update
+        # updates waiting for the lock: forward steps let them go first (a Lock is not fair: a generating thread
+        # that releases and retakes it between steps would starve a waiting update for many steps)
+        self._updates_waiting = 0
+        self._turn = threading.Condition()
         self._generating = threading.Lock()  # one generation at a time owns the KV cache's slots
         self._generating_owner: int | None = None
         self._held_update_lock = False  # start_weight_update ... finish/abort hold it across calls
@@ -258,7 +262,7 @@ class Engine:
             next step of the same size (clone it to keep it).
         """
         self._refuse_nested_update()
-        with self._weights_lock:
+        with self._step_lock():
             return self.runner.decode(tokens.view(-1).tolist(), positions.view(-1).tolist())
 
     # ---- generation internals ----
@@ -399,7 +403,7 @@ class Engine:
         first = len(scheduler.running)
         prompts = [r.prompt_token_ids for r in admitted]
         full_rows = [i for i, r in enumerate(admitted) if r.params.prompt_logprobs is not None]
-        with self._weights_lock:
+        with self._step_lock():
             logits, full = self.runner.prefill(prompts, first, full_rows)
         for i, row_logits in full.items():
             admitted[i].prompt_logprobs = self._prompt_logprobs(admitted[i], row_logits)
@@ -413,7 +417,7 @@ class Engine:
         seqs = scheduler.running
         tokens = [s.token_ids[-1] for s in seqs]
         positions = [s.length - 1 for s in seqs]
-        with self._weights_lock:
+        with self._step_lock():
             logits = self.runner.decode(tokens, positions)
         self._sample(seqs, logits)
 
@@ -468,8 +472,30 @@ class Engine:
         issued on the same stream after them, so they never overlap.
         """
         self._refuse_nested_update()
+        self._acquire_for_update()
+        try:
+            yield
+        finally:
+            self._weights_lock.release()
+
+    @contextlib.contextmanager
+    def _step_lock(self):
+        """The weights lock for one forward step, taken only once no weight update is waiting for it."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._updates_waiting == 0)
         with self._weights_lock:
             yield
+
+    def _acquire_for_update(self) -> None:
+        """Take the weights lock for an update, ahead of forward steps that have not started yet."""
+        with self._turn:
+            self._updates_waiting += 1
+        try:
+            self._weights_lock.acquire()
+        finally:
+            with self._turn:
+                self._updates_waiting -= 1
+                self._turn.notify_all()
 
     def reload_weights(self, weights: Weights, **kwargs) -> ReloadReport:
         """:func:`layerwise.reload_weights` on the engine's model, between forward steps; the captured
@@ -527,7 +553,7 @@ class Engine:
         from layerwise.transfer import start_weight_update
 
         self._refuse_nested_update()
-        self._weights_lock.acquire()
+        self._acquire_for_update()
         try:
             update = start_weight_update(self.model, is_checkpoint_format, atomic=atomic)
         except BaseException:

@@ -70,12 +70,15 @@ def test_an_update_while_generating_waits_for_the_current_step(tmp_path, monkeyp
 
     monkeypatch.setattr(layerwise.engine, "reload_weights", reload_and_flag)
 
+    total_steps = [0]
+
     def check(module, inputs):
         steps.append(1)
+        total_steps[0] += 1
         if writing.is_set():
             overlaps.append(len(steps))
 
-    hook = engine.model.register_forward_pre_hook(check)
+    hook = engine.model.model.register_forward_pre_hook(check)  # the decoder stack every prefill and decode runs
     stop = threading.Event()
     errors = []
 
@@ -100,7 +103,7 @@ def test_an_update_while_generating_waits_for_the_current_step(tmp_path, monkeyp
         thread.join(timeout=60)
         hook.remove()
     assert not thread.is_alive() and not errors
-    assert overlaps == []
+    assert overlaps == [] and total_steps[0] >= 25  # the generator ran between every pair of updates
     fresh = Engine.from_pretrained(b, max_batch_size=2, max_seq_len=24)
     assert greedy(engine, [[1, 2, 3]], 6) == greedy(fresh, [[1, 2, 3]], 6)
 
