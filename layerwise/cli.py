@@ -60,6 +60,19 @@ def _scheme(text: str) -> str:
     return f"{name}:{argument}" if argument else name
 
 
+def _add_quantization(parser: argparse.ArgumentParser) -> None:
+    """The --quantization option of the commands that load a model (load, generate, reload)."""
+    from layerwise.quant.config import scheme_names
+
+    parser.add_argument(
+        "--quantization",
+        default="fp8",
+        type=_scheme,
+        metavar="SCHEME",
+        help=f"{' | '.join(scheme_names())} (case-insensitive; default fp8)",
+    )
+
+
 def _dtype(text: str) -> str:
     from layerwise.dtypes import parse_dtype
 
@@ -455,17 +468,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _load_options(load: argparse.ArgumentParser) -> None:
     from layerwise.kernels import KERNELS
-    from layerwise.quant.config import scheme_names
     from layerwise.quant.fp8 import FP8_MODES
 
     load.add_argument("path", help="directory with config.json and *.safetensors")
-    load.add_argument(
-        "--quantization",
-        default="fp8",
-        type=_scheme,
-        metavar="SCHEME",
-        help=f"{' | '.join(scheme_names())} (case-insensitive; default fp8)",
-    )
+    _add_quantization(load)
     load.add_argument("--device", default="cpu", help=DEVICE_HELP)
     load.add_argument("--dtype", default=None, type=_dtype, help="bfloat16 | float16 | float32 (default: config.json)")
     load.add_argument(
@@ -496,7 +502,6 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _generate_options(gen: argparse.ArgumentParser) -> None:
-    from layerwise.quant.config import scheme_names
 
     gen.add_argument("path", help="checkpoint directory (text prompts need its tokenizer files)")
     gen.add_argument(
@@ -524,13 +529,7 @@ def _generate_options(gen: argparse.ArgumentParser) -> None:
     gen.add_argument(
         "--logprobs", type=int, default=None, metavar="K", help="print each token's logprob and the K most likely"
     )
-    gen.add_argument(
-        "--quantization",
-        default="fp8",
-        type=_scheme,
-        metavar="SCHEME",
-        help=f"{' | '.join(scheme_names())} (default fp8)",
-    )
+    _add_quantization(gen)
     gen.add_argument("--device", default="cpu", help=DEVICE_HELP)
     gen.add_argument(
         "--max-batch-size", type=int, default=None, help="KV cache slots (default: every completion, at most 8)"
@@ -547,13 +546,10 @@ def _demo_options(demo: argparse.ArgumentParser) -> None:
 
 
 def _reload_options(reload: argparse.ArgumentParser) -> None:
-    from layerwise.quant.config import scheme_names
 
     reload.add_argument("path_a", nargs="?", default=None, help="default: the demo checkpoint")
     reload.add_argument("path_b", nargs="?", default=None, help="default: the demo checkpoint with seed 1")
-    reload.add_argument(
-        "--quantization", default="fp8", type=_scheme, metavar="SCHEME", help=" | ".join(scheme_names())
-    )
+    _add_quantization(reload)
     reload.add_argument("--device", default="cpu", help=DEVICE_HELP)
     reload.add_argument("--cache-dir", default=None, help=CACHE_DIR_HELP)
     reload.add_argument("--tokens", type=int, default=8, help=TOKENS_HELP)

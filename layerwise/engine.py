@@ -75,18 +75,10 @@ class Engine:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
         self.model = model
-        embed = model.model.embed_tokens.weight
-        self.device, self.dtype = embed.device, embed.dtype
-        if use_cuda_graph is None:
-            use_cuda_graph = self.device.type == "cuda"
-        if use_cuda_graph and self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a model on a CUDA device")
-        if cuda_graph_sizes is not None and any(int(size) < 1 for size in cuda_graph_sizes):
-            raise ValueError(f"cuda_graph_sizes must be >= 1, got {list(cuda_graph_sizes)}")
-        self.use_cuda_graph = use_cuda_graph
+        self.runner = ModelRunner(model, max_batch_size, max_seq_len, use_cuda_graph, cuda_graph_sizes)
+        self.device, self.dtype, self.use_cuda_graph = self.runner.device, self.runner.dtype, self.runner.use_cuda_graph
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_seq_len)
-        self.runner = ModelRunner(model, max_batch_size, max_seq_len, use_cuda_graph, cuda_graph_sizes)
         self.tokenizer = tokenizer
         self._no_tokenizer_reason: str | None = None  # from_pretrained: why the checkpoint's tokenizer is not here
         main = getattr(tokenizer, "eos_token_id", None)
@@ -394,9 +386,10 @@ class Engine:
                     self._decode(scheduler)
                 for src, dst, length in scheduler.retire():
                     self.runner.copy_slot(src, dst, length)
-                finished = sum(r.finished for r in requests)
-                bar.update(finished - done)
-                done = finished
+                if use_tqdm:
+                    finished = sum(r.finished for r in requests)
+                    bar.update(finished - done)
+                    done = finished
                 yield
 
     def _prefill(self, scheduler: Scheduler, admitted: list[Request]) -> None:
@@ -425,6 +418,7 @@ class Engine:
         """Draw each sequence's next token from float32 ``logits`` [len(seqs), vocab] and append it."""
         batch = SamplingBatch.of([s.params for s in seqs], [s.generator for s in seqs], logits.device)
         tokens = self._agree(sample(logits, batch))
+        token_list = tokens.tolist()
         entries = [None] * len(seqs)
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if wanted:
@@ -433,11 +427,12 @@ class Engine:
             values, ranks, top_ids, top_values = token_logprobs(
                 torch.log_softmax(logits.index_select(0, rows), -1), tokens.index_select(0, rows), max(ks)
             )
-            chosen = tokens.index_select(0, rows).tolist()
             for j, (i, k) in enumerate(zip(wanted, ks, strict=True)):
                 name = self._namer(seqs[i].params)
-                entries[i] = position_logprobs(chosen[j], values[j], ranks[j], top_ids[j][:k], top_values[j][:k], name)
-        for seq, token, entry in zip(seqs, tokens.tolist(), entries, strict=True):
+                entries[i] = position_logprobs(
+                    token_list[i], values[j], ranks[j], top_ids[j][:k], top_values[j][:k], name
+                )
+        for seq, token, entry in zip(seqs, token_list, entries, strict=True):
             seq.append(token, entry, self.stop_ids)
 
     def _prompt_logprobs(self, request: Request, logits: torch.Tensor) -> list:

@@ -39,9 +39,11 @@ class ModelRunner:
         model: a ``CausalLM`` (``model.model`` gives hidden states, ``model.lm_head.compute_logits`` logits).
         max_batch_size: KV cache slots.
         max_seq_len: positions per slot.
-        use_cuda_graph: replay decode steps as CUDA graphs (a CUDA model only).
+        use_cuda_graph: replay decode steps as CUDA graphs (a CUDA model only); None: on CUDA only.
         capture_sizes: batch sizes to capture (default :func:`default_capture_sizes`); sizes above
             max_batch_size are cut to it, and max_batch_size is always one of them.
+    Raises:
+        ValueError: use_cuda_graph=True on a non-CUDA model; a capture size below 1.
     Memory: 2 x layers x max_batch_size x max_seq_len x kv_heads x head_dim elements of the model's dtype
     (kv_heads: this rank's under tensor parallelism), plus per captured size a float32 logits buffer
     [size, vocab] and the graph's share of one memory pool.
@@ -52,12 +54,18 @@ class ModelRunner:
         model: nn.Module,
         max_batch_size: int,
         max_seq_len: int,
-        use_cuda_graph: bool,
+        use_cuda_graph: bool | None,
         capture_sizes: list[int] | None = None,
     ):
         self.model = model
         embed = model.model.embed_tokens.weight
         self.device, self.dtype = embed.device, embed.dtype
+        if use_cuda_graph is None:
+            use_cuda_graph = self.device.type == "cuda"
+        if use_cuda_graph and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a model on a CUDA device")
+        if capture_sizes is not None and any(int(size) < 1 for size in capture_sizes):
+            raise ValueError(f"cuda_graph_sizes must be >= 1, got {list(capture_sizes)}")
         attn = model.model.layers[0].self_attn
         shape = (max_batch_size, max_seq_len, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [
@@ -70,7 +78,7 @@ class ModelRunner:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.use_cuda_graph = use_cuda_graph
         sizes = default_capture_sizes(max_batch_size) if capture_sizes is None else capture_sizes
-        self.capture_sizes = sorted({min(int(s), max_batch_size) for s in sizes if int(s) >= 1} | {max_batch_size})
+        self.capture_sizes = sorted({min(int(s), max_batch_size) for s in sizes} | {max_batch_size})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> its captured decode step
         self._graph_logits: dict[int, torch.Tensor] = {}  # batch size -> the graph's float32 output
         self._pool = None  # one memory pool shared by every graph (only one replays at a time)
