@@ -32,7 +32,14 @@ def _outputs(engine, params):
     return result
 
 
-@pytest.mark.parametrize("scheme", ["none", "fp8"])
+# log-probability tolerance, graph vs eager: the same rows, but a graph step runs padded to its captured size
+# (other GEMM shapes) and its padding rows are dummy tokens. Per-token activation scales (per-channel) see only
+# their own row; a per-tensor activation scale spans the whole step, padding included: 0.034 measured on an
+# H200 (2026-11-27), tokens equal.
+LOGPROB_ATOL = {"none": 2e-2, "fp8-per-channel": 2e-2, "fp8-per-tensor": 5e-2}
+
+
+@pytest.mark.parametrize("scheme", list(LOGPROB_ATOL))
 def test_graphs_per_batch_size_equal_eager_and_survive_reload(pair, scheme):
     a, b = pair
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, logprobs=1) for i, n in enumerate(MAX_TOKENS)]
@@ -41,7 +48,7 @@ def test_graphs_per_batch_size_equal_eager_and_survive_reload(pair, scheme):
     ours, theirs = _outputs(graph, params), _outputs(eager, params)
     assert [t for t, _ in ours] == [t for t, _ in theirs]
     for (_, lp_graph), (_, lp_eager) in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(torch.tensor(lp_graph), torch.tensor(lp_eager), rtol=0, atol=2e-2)
+        torch.testing.assert_close(torch.tensor(lp_graph), torch.tensor(lp_eager), rtol=0, atol=LOGPROB_ATOL[scheme])
     assert set(graph.graphs) <= set(default_capture_sizes(12)) and len(graph.graphs) >= 3  # several sizes used
     captured = dict(graph.graphs)
     graph.reload_weights(b)
