@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from layerwise.transfer import wire
 from layerwise.transfer.base import (
     LoadWeights,
     TensorListUpdateInfo,
@@ -38,6 +39,7 @@ from layerwise.transfer.base import (
     WeightTransferError,
     WeightTransferInitInfo,
     WeightTransferTimeoutError,
+    dtype_name,
 )
 from layerwise.transfer.packed_tensor import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -48,9 +50,10 @@ from layerwise.transfer.packed_tensor import (
     plan_buckets,
     unpack_bucket,
 )
+from layerwise.transfer.rendezvous import first_line, join
 
 DEFAULT_TIMEOUT_SECONDS = 60.0
-_STORE_PREFIX = "layerwise/weight_transfer"
+_GROUP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CONNECTION_LOST = ("timed out", "timeout", "connection", "closed", "reset", "broken pipe", "aborted")
 
 
@@ -62,7 +65,12 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
         master_address / master_port: where the trainer (rank 0) hosts the group's TCPStore.
         rank_offset: rank of the engine's first worker (the trainer is rank 0, so usually 1).
         world_size: trainer + every engine worker.
-        timeout_seconds: bound on every wait: rendezvous, each broadcast (seconds).
+        timeout_seconds: bound on every wait: the whole rendezvous, each broadcast (seconds).
+        group_id: a token naming this group, the same in the trainer's and the engines' init info (e.g.
+            ``secrets.token_hex(8)``, drawn once where the init info is made). Given, an engine refuses a
+            trainer that hosts another group (a stale init info); None: the trainer draws one and the
+            engines accept it. Either way a rank is admitted once: a second engine with a taken rank, or
+            one that comes after the group formed, is refused with a WeightTransferError.
     """
 
     master_address: str
@@ -70,6 +78,7 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    group_id: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
@@ -80,6 +89,8 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
             raise ValueError(f"rank_offset must be an int in [1, world_size), got {self.rank_offset!r}")
         if not self.timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be positive, got {self.timeout_seconds!r}")
+        if self.group_id is not None and not (isinstance(self.group_id, str) and _GROUP_ID.match(self.group_id)):
+            raise ValueError(f"group_id must be 1-64 letters, digits, '_' or '-', got {self.group_id!r}")
 
 
 @dataclass(kw_only=True)
@@ -92,14 +103,19 @@ class NCCLWeightTransferUpdateInfo(TensorListUpdateInfo):
         packed_buffer_size_bytes: bytes per bucket (a larger tensor travels alone). Must equal the
             trainer's value.
         packed_num_buffers: buckets in flight (2 = double buffering). Must equal the trainer's value.
+        verify: compare a checksum of every bucket's bytes, sender's against receiver's, before the bucket
+            is loaded (see layerwise/transfer/wire.py). Must equal the trainer's value.
     """
 
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    verify: bool = False
 
     def __post_init__(self):
         super().__post_init__()
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be a bool, got {self.verify!r}")
         if not isinstance(self.packed_buffer_size_bytes, int) or self.packed_buffer_size_bytes <= 0:
             raise ValueError(f"packed_buffer_size_bytes must be a positive int, got {self.packed_buffer_size_bytes!r}")
         if not isinstance(self.packed_num_buffers, int) or self.packed_num_buffers < 1:
@@ -113,7 +129,7 @@ class NCCLTrainerSendWeightsArgs:
     Attributes:
         group: the trainer's group, from :meth:`NCCLWeightTransferEngine.trainer_init`.
         src: the sending rank (the trainer: 0).
-        packed / packed_buffer_size_bytes / packed_num_buffers: must equal the update info's.
+        packed / packed_buffer_size_bytes / packed_num_buffers / verify: must equal the update info's.
     """
 
     group: WeightTransferGroup
@@ -121,20 +137,26 @@ class NCCLTrainerSendWeightsArgs:
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    verify: bool = False
 
 
 class WeightTransferGroup:
     """A broadcast group of its own: TCPStore (hosted by rank 0) -> PrefixStore -> Gloo or NCCL backend.
 
-    Never touches torch.distributed's default group.
+    Never touches torch.distributed's default group. The rendezvous (layerwise/transfer/rendezvous.py)
+    admits each rank once and completes, or fails, within ``timeout_seconds``.
 
     Args:
         master_address / master_port: the store's address; rank 0 listens there.
         rank / world_size: this process's rank in the group, and the group's size.
         device: CUDA -> ProcessGroupNCCL, CPU -> ProcessGroupGloo; broadcast tensors live there.
         timeout_seconds: bound on the rendezvous and on every wait.
+        group_id: the init info's group token (None: rank 0 draws one, the others take it).
     Raises:
-        WeightTransferTimeoutError: the rendezvous did not complete within the timeout (no trainer).
+        WeightTransferTimeoutError: the rendezvous did not complete within the timeout (no trainer, or an
+            engine rank missing); the message gives the elapsed seconds.
+        WeightTransferError: this rank was admitted already (a second engine, a late one), the trainer hosts
+            another group id or world size, or rank 0 cannot listen on the port.
         RuntimeError: NCCL requested but not available in this torch build.
     """
 
@@ -146,21 +168,19 @@ class WeightTransferGroup:
         world_size: int,
         device: torch.device | str,
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        group_id: str | None = None,
     ):
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.timeout_seconds = float(timeout_seconds)
         self.timeout = datetime.timedelta(seconds=self.timeout_seconds)
         self.broken: str | None = None
-        where = f"{master_address}:{master_port}"
+        if self.device.type == "cuda" and not dist.is_nccl_available():
+            raise RuntimeError("this torch build has no NCCL; use a CPU device (gloo)")
+        self.store, namespace = join(master_address, master_port, rank, world_size, self.timeout_seconds, group_id)
+        prefix_store = dist.PrefixStore(namespace, self.store)
         try:
-            self.store = dist.TCPStore(
-                master_address, master_port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False
-            )
-            prefix_store = dist.PrefixStore(_STORE_PREFIX, self.store)
             if self.device.type == "cuda":
-                if not dist.is_nccl_available():
-                    raise RuntimeError("this torch build has no NCCL; use a CPU device (gloo)")
                 options = dist.ProcessGroupNCCL.Options()
                 options.is_high_priority_stream = False
                 options._timeout = self.timeout
@@ -172,19 +192,13 @@ class WeightTransferGroup:
             if not _is_connection_loss(e):
                 raise
             raise WeightTransferTimeoutError(
-                f"weight transfer: rank {rank} of {world_size} could not form the "
-                f"group at {where} within {self.timeout_seconds:g} s: "
-                f"{_first_line(e)}"
+                f"weight transfer: rank {rank} of {world_size} joined the group at {master_address}:{master_port} "
+                f"but could not connect to every rank within {self.timeout_seconds:g} s: {first_line(e)}"
             ) from e
 
     def broadcast(self, tensor: torch.Tensor, src: int, key: str | None) -> Any:
         """Start broadcasting ``tensor`` (uint8, on ``device``) from ``src``; returns the work to wait on."""
-        if self.broken:
-            raise WeightTransferError(
-                f"weight transfer group is unusable after an earlier failure ({self.broken}); "
-                f"shutdown() and init again",
-                key=key,
-            )
+        self._check_usable(key)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         try:
@@ -207,8 +221,35 @@ class WeightTransferGroup:
         except RuntimeError as e:
             raise self._failure(e, key, what) from e
 
+    def broadcast_and_wait(self, tensor: torch.Tensor, src: int, key: str | None, what: str) -> None:
+        """Broadcast ``tensor`` from ``src`` and wait for it (bounded); raises as :meth:`wait`."""
+        self.wait(self.broadcast(tensor, src, key), key, what)
+
+    def all_reduce_max(self, tensor: torch.Tensor, key: str | None, what: str) -> None:
+        """In-place element-wise max of ``tensor`` (on ``device``) over the group, waited for (bounded)."""
+        self._check_usable(key)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        try:
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    work = self.backend.allreduce([tensor], opts)
+            else:
+                work = self.backend.allreduce([tensor], opts)
+        except RuntimeError as e:
+            raise self._failure(e, key, what) from e
+        self.wait(work, key, what)
+
+    def _check_usable(self, key: str | None) -> None:
+        if self.broken:
+            raise WeightTransferError(
+                f"weight transfer group is unusable after an earlier failure ({self.broken}); "
+                f"shutdown() and init again",
+                key=key,
+            )
+
     def _failure(self, e: RuntimeError, key: str | None, what: str) -> WeightTransferError:
-        self.broken = _first_line(e)
+        self.broken = first_line(e)
         if self.device.type == "cuda":  # a timed-out NCCL communicator must be aborted, or later ops hang
             try:
                 self.backend.abort()
@@ -235,16 +276,18 @@ class WeightTransferGroup:
         self.__dict__.pop("store", None)
 
 
-def _first_line(e: BaseException) -> str:
-    """The backend's message without its C++ source location, cut at the first line / sentence hint."""
-    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(" This is typically")[0]
-    return line[:200]
-
-
 def _is_connection_loss(e: BaseException) -> bool:
     text = str(e).lower()
     return any(s in text for s in _CONNECTION_LOST)
+
+
+def _drain(group: WeightTransferGroup, in_flight: deque) -> None:
+    """After a disagreement: complete the broadcasts both sides posted before it (the group stays in step)."""
+    if group.broken:
+        return
+    while in_flight:
+        item = in_flight.popleft()
+        group.wait(item[1], None, "a bucket posted before the disagreement")
 
 
 def _bucket_label(bucket: Bucket, k: int, total: int | None) -> str:
@@ -287,7 +330,13 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             )
         self.shutdown()
         self.group = WeightTransferGroup(
-            info.master_address, info.master_port, rank, info.world_size, self.device, info.timeout_seconds
+            info.master_address,
+            info.master_port,
+            rank,
+            info.world_size,
+            self.device,
+            info.timeout_seconds,
+            info.group_id,
         )
 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo | dict, load_weights: LoadWeights) -> None:
@@ -298,8 +347,17 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         the next buckets' receives are posted before bucket k is loaded, and ``load_weights`` gets views
         of bucket k, which must be consumed or copied before it returns (the slot is refilled next).
 
+        Before each bucket's bytes the engine and the trainer compare headers (bytes, tensor count, a digest
+        of names, dtypes and shapes: layerwise/transfer/wire.py), and with ``verify`` a checksum of the bytes
+        after they arrive; a difference stops both sides before any mismatched collective, with the group
+        still in step.
+
         Raises:
             RuntimeError: init_transfer_engine was not called.
+            WeightTransferError: the trainer sends other tensors than the update info declares (another
+                dtype, shape or name, one missing, one extra, another packing), or, with ``verify``, bytes
+                whose checksum differs; names the first such tensor, with both sizes. Nothing of that bucket
+                was loaded; the group stays usable.
             WeightTransferTimeoutError: nothing arrived within ``timeout_seconds`` (or the trainer died);
                 names the tensor waited for. The group is then unusable until re-initialized.
             whatever ``load_weights`` raised first; the rest of the update is received and dropped before.
@@ -309,6 +367,9 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         capacity = info.packed_buffer_size_bytes if info.packed else None
         num_slots = info.packed_num_buffers if info.packed else 2
         buckets = plan_buckets([info.nbytes(i) for i in range(len(info.names))], capacity)
+        declared = [
+            [(info.names[i], info.dtype_names[i], list(info.shapes[i])) for i, _, _ in b.entries] for b in buckets
+        ]
         slot_bytes = max((b.nbytes for b in buckets if capacity is not None and b.nbytes <= capacity), default=0)
         slots: list[torch.Tensor | None] = [None] * num_slots
 
@@ -321,21 +382,46 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
                 slots[s] = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
             return slots[s][:nbytes]
 
+        def agree_on(k: int) -> None:  # bucket k's header (k == len(buckets): the end of the update)
+            ours = declared[k] if k < len(buckets) else []
+            what = _bucket_label(buckets[k], k, len(buckets)) if ours else "the end of the update"
+            key = ours[0][0] if ours else None
+            lo, hi = wire.agree(group, wire.header(ours, buckets[k].nbytes if ours else 0, info.verify), key, what)
+            if lo != hi:
+                theirs = wire.exchange_entries(group, None, key, what)
+                raise wire.mismatch_error(ours, theirs, what, [e for b in declared[k + 1 :] for e in b])
+
         in_flight: deque = deque()
         posted, error = 0, None
-        for k, bucket in enumerate(buckets):
-            while posted < len(buckets) and posted < k + num_slots:  # slot of bucket `posted` was consumed
-                buf = buffer_for(posted)
-                in_flight.append((buf, group.broadcast(buf, 0, info.names[buckets[posted].entries[0][0]])))
-                posted += 1
-            buf, work = in_flight.popleft()
-            group.wait(work, info.names[bucket.entries[0][0]], _bucket_label(bucket, k, len(buckets)))
-            if error is None:
-                try:
-                    load_weights(unpack_bucket(buf, bucket, info.names, info.dtypes, info.shapes))
-                except Exception as e:  # noqa: BLE001 -- Limitations 3: keep receiving, the trainer stays in step
-                    error = e
-            del buf
+        try:
+            for k, bucket in enumerate(buckets):
+                while posted < len(buckets) and posted < k + num_slots:  # slot of bucket `posted` was consumed
+                    agree_on(posted)
+                    buf = buffer_for(posted)
+                    in_flight.append((buf, group.broadcast(buf, 0, declared[posted][0][0])))
+                    posted += 1
+                buf, work = in_flight.popleft()
+                what = _bucket_label(bucket, k, len(buckets))
+                group.wait(work, declared[k][0][0], what)
+                if info.verify:
+                    lo, hi = wire.agree(group, wire.checksum(buf), declared[k][0][0], f"{what}'s checksum")
+                    if lo != hi:
+                        raise WeightTransferError(
+                            f"weight transfer, {what}: the checksum of the bytes received differs from the "
+                            f"trainer's (changed in transit, or while the trainer sent them); nothing of this "
+                            f"bucket was loaded; the trainer raised too, and the group stays in step",
+                            key=declared[k][0][0],
+                        )
+                if error is None:
+                    try:
+                        load_weights(unpack_bucket(buf, bucket, info.names, info.dtypes, info.shapes))
+                    except Exception as e:  # noqa: BLE001 -- Limitations 3: keep receiving, the trainer stays in step
+                        error = e
+                del buf
+            agree_on(len(buckets))
+        except WeightTransferError:
+            _drain(group, in_flight)
+            raise
         if error is not None:
             raise error
 
@@ -370,7 +456,13 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         return WeightTransferGroup(
-            init_info.master_address, init_info.master_port, 0, init_info.world_size, device, init_info.timeout_seconds
+            init_info.master_address,
+            init_info.master_port,
+            0,
+            init_info.world_size,
+            device,
+            init_info.timeout_seconds,
+            init_info.group_id,
         )
 
     @staticmethod
@@ -385,8 +477,14 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         copied into uint8 buckets of ``packed_buffer_size_bytes`` (a larger tensor alone); bucket k + 1 is
         packed while bucket k is in flight, at most ``packed_num_buffers`` buckets in flight.
 
+        Each bucket's header is compared with the engines' before its bytes go (and with ``verify`` its
+        checksum after): see :meth:`NCCLWeightTransferEngine.receive_weights`.
+
         Raises:
             ValueError: ``src`` is not this process's rank.
+            WeightTransferError: the engines' update info declares other tensors than ``iterator`` yields
+                (names the trainer's first tensor of the bucket; the engines raise too, naming theirs), or
+                a checksum differs; the group stays usable.
             WeightTransferTimeoutError: an engine stopped receiving for ``timeout_seconds`` (or died).
         """
         args = NCCLTrainerSendWeightsArgs(**trainer_args) if isinstance(trainer_args, dict) else trainer_args
@@ -399,15 +497,48 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         num_slots = args.packed_num_buffers if args.packed else 2
         layout = BucketLayout(capacity)
         slots: list[torch.Tensor | None] = [None] * num_slots
-        pending: dict[int, tuple[str, torch.Tensor]] = {}  # index -> (name, flat bytes) of the open bucket
-        in_flight: deque = deque()  # (work, buffer kept alive, key, label)
+        pending: dict[int, tuple[wire.Entry, torch.Tensor]] = {}  # index -> ((name, dtype, shape), flat bytes)
+        in_flight: deque = deque()  # (buffer kept alive, work, key, label)
         sent = 0
+
+        def agree_on(entries: list[wire.Entry], nbytes: int, what: str) -> None:
+            key = entries[0][0] if entries else None
+            ours = wire.header(entries, nbytes, args.verify)
+            lo, hi = wire.agree(group, ours, key, what)
+            if lo != hi:
+                wire.exchange_entries(group, entries, key, what)
+                theirs = lo if hi == ours else hi
+                expected = (
+                    "the end of the update" if theirs[0] == wire.END else f"{theirs[1]} tensor(s), {theirs[0]} bytes"
+                )
+                sending = f"from tensor {wire.describe(entries[0])}" if entries else "nothing more (its end)"
+                raise WeightTransferError(
+                    f"weight transfer, {what}: the engines expect {expected}, the trainer sends {sending}: the "
+                    f"update info the engines hold differs from the tensors given to trainer_send_weights (names, "
+                    f"dtypes, shapes, order, packed settings and verify must match); nothing of this bucket was "
+                    f"sent, and the group stays in step",
+                    key=key,
+                )
+
+        def complete_oldest() -> None:
+            buf, work, key, label = in_flight.popleft()
+            group.wait(work, key, label)
+            if args.verify:
+                lo, hi = wire.agree(group, wire.checksum(buf), key, f"{label}'s checksum")
+                if lo != hi:
+                    raise WeightTransferError(
+                        f"weight transfer, {label}: an engine received bytes whose checksum differs from the "
+                        f"trainer's; it loaded nothing of this bucket, and the group stays in step",
+                        key=key,
+                    )
 
         def send(bucket: Bucket) -> None:
             nonlocal sent
             if len(in_flight) >= num_slots:  # the slot of bucket `sent` is free once its last user is done
-                work, _, key, label = in_flight.popleft()
-                group.wait(work, key, label)
+                complete_oldest()
+            entries = [pending[i][0] for i, _, _ in bucket.entries]
+            label = _bucket_label(bucket, sent, None)
+            agree_on(entries, bucket.nbytes, label)
             first = bucket.entries[0][0]
             if capacity is None:
                 buf = pending[first][1]
@@ -423,30 +554,26 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
                     buf = slots[s][: bucket.nbytes]
                 for i, offset, nbytes in bucket.entries:
                     buf[offset : offset + nbytes].copy_(pending[i][1])
-            key = pending[first][0]
             for i, _, _ in bucket.entries:
                 del pending[i]
-            in_flight.append(
-                (
-                    group.broadcast(buf, args.src, key),
-                    buf,
-                    key,
-                    _bucket_label(bucket, sent, None),
-                )
-            )
+            in_flight.append((buf, group.broadcast(buf, args.src, entries[0][0]), entries[0][0], label))
             sent += 1
 
-        for index, (name, tensor) in enumerate(iterator):
-            if tensor.device != group.device:
-                tensor = tensor.to(group.device)
-            flat = flat_bytes(tensor)
-            closed = layout.place(index, flat.numel())
-            if closed is not None:
-                send(closed)
-            pending[index] = (name, flat)
-        last = layout.close()
-        if last is not None:
-            send(last)
-        while in_flight:
-            work, _, key, label = in_flight.popleft()
-            group.wait(work, key, label)
+        try:
+            for index, (name, tensor) in enumerate(iterator):
+                if tensor.device != group.device:
+                    tensor = tensor.to(group.device)
+                flat = flat_bytes(tensor)
+                closed = layout.place(index, flat.numel())
+                if closed is not None:
+                    send(closed)
+                pending[index] = ((name, dtype_name(tensor.dtype), list(tensor.shape)), flat)
+            last = layout.close()
+            if last is not None:
+                send(last)
+            while in_flight:
+                complete_oldest()
+            agree_on([], 0, "the end of the update")
+        except WeightTransferError:
+            _drain(group, in_flight)
+            raise

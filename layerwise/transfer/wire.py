@@ -1,0 +1,158 @@
+"""What the trainer and the engines agree on around each bucket's bytes: its header before, its checksum after.
+
+The update info travels over the user's own control plane and the bytes over the group, so nothing ties one
+to the other: a trainer that sends float32 where the update info says bfloat16, skips a tensor or adds one
+would start a broadcast whose sizes differ between ranks, which gloo answers by aborting the process
+("Received data size doesn't match expected size") and NCCL by reading or writing past a buffer. So before
+each bucket (a tensor, unpacked) every rank describes what it is about to send or receive:
+
+    header = [nbytes, tensors, digest, verify]          int64; the end of an update: nbytes = END (-1)
+    digest = crc32 of "name|dtype|shape;" over the bucket's tensors, in order
+
+and one all-reduce (MAX over ``header`` and ``-header``) gives every rank the largest and the smallest
+header. Equal: all agree, and the payload is posted. Different: every rank knows it at once; the trainer
+broadcasts its bucket's tensor list (JSON) so the engines can name the first tensor that differs, and
+every rank raises :class:`WeightTransferError` without posting the payload. No collective ever runs with
+sizes that differ, and the group stays in step: the next update uses it as before.
+
+``verify=True`` (update info and trainer args; vLLM has no such check) adds, after each bucket's bytes
+arrive and before they are loaded, a checksum of the bytes computed where they are (sender: the bucket it
+broadcast; receiver: the bucket it received, on its device) and compared by the same all-reduce. The
+checksum is Fletcher's (two running sums, the second position-weighted) over 16-bit words modulo
+2^31 - 1: it catches changed, zeroed, shifted and swapped bytes, not an adversary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from layerwise.transfer.base import WeightTransferError
+
+END = -1  # header nbytes of the end of an update
+HEADER_FIELDS = 4  # nbytes, tensors, digest, verify
+_MODULUS = (1 << 31) - 1  # checksum sums stay below 2^31: no int64 overflow on any device
+_WEIGHT_PERIOD = 65521  # position weights cycle with Adler's prime: 16-bit word x weight < 2^32
+_CHUNK_WORDS = 1 << 22  # 8 MiB of bucket per step: sums of 2^22 products < 2^54
+
+
+class Group(Protocol):
+    """The collectives the agreement needs (``layerwise.transfer.nccl.WeightTransferGroup``)."""
+
+    rank: int
+    device: torch.device
+
+    def all_reduce_max(self, tensor: torch.Tensor, key: str | None, what: str) -> None: ...
+
+    def broadcast_and_wait(self, tensor: torch.Tensor, src: int, key: str | None, what: str) -> None: ...
+
+
+Entry = tuple[str, str, list[int]]  # (name, dtype name, shape) of one tensor of a bucket
+
+
+def header(entries: Sequence[Entry], nbytes: int, verify: bool) -> list[int]:
+    """The header of a bucket of ``entries`` and ``nbytes`` bytes (``entries`` empty: the end of an update)."""
+    if not entries:
+        return [END, 0, 0, int(verify)]
+    text = "".join(f"{name}|{dtype}|{','.join(map(str, shape))};" for name, dtype, shape in entries)
+    return [nbytes, len(entries), zlib.crc32(text.encode()), int(verify)]
+
+
+def agree(group: Group, values: list[int], key: str | None, what: str) -> tuple[list[int], list[int]]:
+    """All-reduce ``values`` (ints) over the group; returns (smallest, largest) per position, one small
+    all-reduce. Raises the group's WeightTransferTimeoutError when a rank does not take part in time."""
+    t = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=group.device)
+    group.all_reduce_max(t, key, what)
+    out = t.tolist()
+    n = len(values)
+    return [-v for v in out[n:]], out[:n]
+
+
+def exchange_entries(group: Group, entries: Sequence[Entry] | None, key: str | None, what: str) -> list[Entry]:
+    """After a disagreement: the sender (``entries`` given) broadcasts its bucket's tensor list; every rank
+    returns it (two broadcasts: the length, then the JSON bytes)."""
+    payload = json.dumps([list(e) for e in entries or []]).encode() if entries is not None else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=group.device)
+    group.broadcast_and_wait(length, 0, key, f"{what} (its tensor list's length)")
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
+    if entries is not None:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    if data.numel():
+        group.broadcast_and_wait(data, 0, key, f"{what} (its tensor list)")
+    return [(name, dtype, list(shape)) for name, dtype, shape in json.loads(bytes(data.cpu().tolist()) or b"[]")]
+
+
+def describe(entry: Entry) -> str:
+    """``'name' bfloat16 [4, 8] (64 bytes)``."""
+    name, dtype_name, shape = entry
+    dtype = getattr(torch, dtype_name, None)
+    size = f" ({math.prod(shape) * dtype.itemsize} bytes)" if isinstance(dtype, torch.dtype) else ""
+    return f"{name!r} {dtype_name} {list(shape)}{size}"
+
+
+def mismatch_error(
+    ours: Sequence[Entry], theirs: Sequence[Entry], what: str, later: Sequence[Entry]
+) -> WeightTransferError:
+    """The engine's error for a bucket whose header differs from the trainer's.
+
+    Args:
+        ours: the bucket's tensors as the update info declares them ([] = the update info has ended).
+        theirs: the tensors the trainer sends in its bucket ([] = its update has ended).
+        what: the bucket's label; later: the update info's tensors after this bucket (for "missing").
+    """
+    after = (
+        "nothing of this bucket was received and none of it loaded; the trainer raised too, and the group stays "
+        "in step for the next update"
+    )
+    expected = [*ours, *later]  # compared past this bucket: a tensor missing shifts the trainer's bucket
+    for i in range(max(len(ours), len(theirs))):
+        mine = expected[i] if i < len(expected) else None
+        sent = theirs[i] if i < len(theirs) else None
+        if mine == sent:
+            continue
+        if sent is None and not theirs:
+            rest = [e[0] for e in expected[i:]]
+            shown = ", ".join(repr(n) for n in rest[:3]) + (f" and {len(rest) - 3} more" if len(rest) > 3 else "")
+            message = f"the trainer's update ends before tensor {describe(mine)}: it never sends {shown}"
+            key = mine[0]
+        elif sent is None:
+            message = f"the trainer's bucket ends before tensor {describe(mine)}, which the update info declares next"
+            key = mine[0]
+        elif mine is None:
+            message = f"the trainer sends tensor {describe(sent)}, which the update info does not declare"
+            key = sent[0]
+        else:
+            message = f"the trainer sends tensor {describe(sent)}, the update info declares {describe(mine)}"
+            key = mine[0]
+        return WeightTransferError(f"weight transfer, {what}: {message}; {after}", key=key)
+    return WeightTransferError(
+        f"weight transfer, {what}: the trainer and the update info disagree on verify= or on how the tensors "
+        f"are packed (packed, packed_buffer_size_bytes must match); {after}",
+        key=ours[0][0] if ours else None,
+    )
+
+
+def checksum(data: torch.Tensor) -> list[int]:
+    """Fletcher checksum of ``data`` (uint8 [n], any device): [sum of words, sum of position x word], both
+    modulo 2^31 - 1, over the bytes read as 16-bit words (an odd last byte is a word of its own).
+
+    Computed on ``data``'s device in chunks of 8 MiB (extra memory: four int64 copies of a chunk).
+    """
+    n = data.numel()
+    if n % 2 or data.storage_offset() % 2:
+        data = torch.cat([data, data.new_zeros(n % 2)])  # a copy, 2-aligned and of even length
+    words = data.view(torch.int16)
+    sums = torch.zeros(2, dtype=torch.int64, device=data.device)
+    base = torch.arange(min(words.numel(), _CHUNK_WORDS), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        w = words[start : start + _CHUNK_WORDS].to(torch.int64) & 0xFFFF
+        weights = (base[: w.numel()] + start) % _WEIGHT_PERIOD + 1
+        sums[0] += w.sum()
+        sums[1] += (w * weights).sum()
+        sums %= _MODULUS
+    return sums.tolist()
