@@ -16,17 +16,53 @@ trainer process. Unpickling it can run arbitrary code, and mapping it reads anot
 handles must never come from, or travel through, an untrusted process. The engine refuses to work
 unless its init info sets ``allow_pickled_handles=True`` (vLLM requires VLLM_ALLOW_INSECURE_SERIALIZATION
 for the same reason).
+
+Shared-memory segments (CPU tensors; CUDA tensors are shared in place and need none). One engine and one
+trainer at a time share a *segment prefix*, ``IPCWeightTransferInitInfo.segment_prefix``
+(``layerwise_<16 hex digits>`` drawn fresh by default, or one of your own: file-name characters only).
+The trainer names each segment it creates ``<prefix>_<n>`` (n a decimal number), and the engine removes
+exactly the names ``/dev/shm/<prefix>_<n>``, nothing else (no other prefix, no other shape of name):
+
+    init_info = IPCWeightTransferInitInfo(allow_pickled_handles=True)    # draws segment_prefix
+    engine:  engine.init_transfer_engine(dataclasses.asdict(init_info))
+    trainer: trainer_send_weights(weights, {"send_update": ..., "segment_prefix": init_info.segment_prefix})
+
+An engine given init info without ``segment_prefix`` draws its own at ``init_transfer_engine``: read it
+from ``engine.segment_prefix`` and hand it to the trainer with the rest of your control plane.
+
+Who removes a segment, and when:
+  1. the trainer, when ``trainer_send_weights`` returns or raises (its ``finally``);
+  2. the trainer's multiprocessing resource tracker, when the trainer process ends without (1) (a SIGKILL
+     of the trainer alone, os._exit) while the tracker lives on; the tracker ignores SIGINT and SIGTERM,
+     so only a SIGKILL of the tracker too (of the process group, the container, the OOM killer) stops it;
+  3. the engine, every ``<prefix>_<n>``: at ``init_transfer_engine`` (leftovers of an earlier engine with
+     this prefix), when ``receive_weights`` raises (the update failed: the trainer is waiting for that
+     answer, and a trainer killed mid-update left its segment), at ``shutdown()``, and when you call
+     ``remove_segments()`` (e.g. after your control plane timed out on a trainer that died between chunks,
+     which the engine cannot see). The engine removes segments only at these points, so it must not run
+     them while a trainer still fills a segment for another chunk: one trainer per prefix, and init /
+     shutdown / remove_segments between updates.
+What still leaks:
+  - trainer, tracker and engine all killed with SIGKILL (a container or process group killed, the OOM
+    killer): the segment stays until an engine with the same prefix inits, or the machine reboots;
+  - a trainer that passed no ``segment_prefix`` (older call sites): it names its segments with a prefix of
+    its own, which no engine removes, so only (1) and (2) apply.
+Find leftovers with ``ls /dev/shm/<prefix>_*`` (all of layerwise's: ``ls /dev/shm/layerwise_*``); remove
+them with ``rm`` once no trainer or engine of that prefix runs.
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import pickle
 import re
+import secrets
+import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from multiprocessing import shared_memory
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
@@ -43,6 +79,38 @@ from layerwise.transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES, B
 
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,250}$")  # a file name in /dev/shm, no path
 _SHM_DIR = "/dev/shm"
+_SEGMENT_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")  # <prefix>_<n> stays a valid _SHM_NAME
+_SEGMENT_NUMBERS = itertools.count()  # the <n> of this process's segments, never reused by it
+
+
+def new_segment_prefix() -> str:
+    """A fresh segment prefix, ``layerwise_<16 hex digits>`` (64 random bits)."""
+    return f"layerwise_{secrets.token_hex(8)}"
+
+
+def check_segment_prefix(prefix: str) -> str:
+    """``prefix`` itself if it can name segments ``/dev/shm/<prefix>_<n>``.
+
+    Raises:
+        ValueError: not a str of 1-200 file-name characters (letters, digits, ``_.-``; not starting with
+            ``.`` or ``-``; no ``/``).
+    """
+    if not isinstance(prefix, str) or not _SEGMENT_PREFIX.fullmatch(prefix):
+        raise ValueError(
+            f"segment_prefix {prefix!r} must be 1-200 characters of [A-Za-z0-9_.-], not starting with '.' "
+            f"or '-' (it names files /dev/shm/<prefix>_<n>)"
+        )
+    return prefix
+
+
+def segment_names(prefix: str) -> list[str]:
+    """The names in /dev/shm of the form ``<prefix>_<n>`` (n decimal digits), sorted; [] without /dev/shm."""
+    own = re.compile(re.escape(check_segment_prefix(prefix)) + r"_[0-9]+")
+    try:
+        entries = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    return sorted(name for name in entries if own.fullmatch(name))
 
 
 @dataclass
@@ -52,9 +120,18 @@ class IPCWeightTransferInitInfo(WeightTransferInitInfo):
     Attributes:
         allow_pickled_handles: opt in to unpickling and mapping the trainer's handles. Set it only when the
             trainer, and everything the update info passes through, is trusted (see the module docstring).
+        segment_prefix: the trainer names its shared-memory segments ``<segment_prefix>_<n>`` and the
+            engine removes those (see the module docstring). Drawn fresh by default
+            (``new_segment_prefix()``), so build this info once and give its prefix to the trainer too.
+    Raises (on construction):
+        ValueError: a segment_prefix that is not a file-name prefix (see ``check_segment_prefix``).
     """
 
     allow_pickled_handles: bool = False
+    segment_prefix: str = field(default_factory=new_segment_prefix)
+
+    def __post_init__(self):
+        check_segment_prefix(self.segment_prefix)
 
 
 @dataclass(kw_only=True)
@@ -94,11 +171,21 @@ class IPCTrainerSendWeightsArgs:
         buffer_size_bytes: bytes of tensors per chunk (one ``send_update`` call); a larger tensor is alone.
             CPU tensors are copied into one shared-memory segment of this size, reused for every chunk.
         is_checkpoint_format: written into every chunk's update info.
+        segment_prefix: the engine's ``segment_prefix`` (its init info's); segments are named
+            ``<segment_prefix>_<n>``, so the engine removes what a killed trainer left. None (older call
+            sites): a fresh prefix per call, which no engine removes (see the module docstring).
+    Raises (on construction):
+        ValueError: a segment_prefix that is not a file-name prefix (see ``check_segment_prefix``).
     """
 
     send_update: Callable[[dict], Any]
     buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     is_checkpoint_format: bool = True
+    segment_prefix: str | None = None
+
+    def __post_init__(self):
+        if self.segment_prefix is not None:
+            check_segment_prefix(self.segment_prefix)
 
 
 def _gpu_uuid(device: torch.device) -> str:
@@ -135,12 +222,18 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__(device)
         self.allow_pickled_handles: bool | None = None  # None until init_transfer_engine
+        self.segment_prefix: str | None = None  # set by init_transfer_engine, None again after shutdown
 
     def init_transfer_engine(self, init_info: IPCWeightTransferInitInfo | dict) -> None:
-        """Record the opt-in.
+        """Record the opt-in and the segment prefix, and remove this prefix's leftover segments.
+
+        Leftovers are ``/dev/shm/<segment_prefix>_<n>`` of an earlier engine with the same prefix whose
+        trainer was killed with its resource tracker (see the module docstring). Called again with
+        another prefix, the engine first removes the old prefix's segments.
 
         Raises:
-            ValueError: ``allow_pickled_handles`` is not True (the backend cannot work without handles).
+            ValueError: ``allow_pickled_handles`` is not True (the backend cannot work without handles),
+                or a ``segment_prefix`` that is not a file-name prefix.
         """
         info = self.parse_init_info(init_info)
         if info.allow_pickled_handles is not True:
@@ -149,20 +242,61 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
                 "can run code: set allow_pickled_handles=True in the init info, and only for a trusted "
                 "trainer on this machine"
             )
+        if self.segment_prefix not in (None, info.segment_prefix):
+            self.remove_segments()  # the previous prefix's: no trainer of it will be answered any more
         self.allow_pickled_handles = True
+        self.segment_prefix = info.segment_prefix
+        self.remove_segments()
+
+    def remove_segments(self) -> list[str]:
+        """Unlink every ``/dev/shm/<segment_prefix>_<n>``; returns the names removed.
+
+        Unlinking does not disturb a mapping already open (the trainer's, or a view ``load_weights`` still
+        holds); a trainer that then ends removes nothing more. A name that cannot be removed (another
+        user's, by the sticky bit of /dev/shm) is skipped with a warning. Call it only between updates, or
+        once a trainer has died (see the module docstring; Limitations 5 in layerwise/transfer/__init__.py).
+
+        Raises:
+            RuntimeError: init_transfer_engine was not called.
+        """
+        if self.segment_prefix is None:
+            raise RuntimeError("ipc weight transfer is not initialized: call init_transfer_engine() first")
+        removed = []
+        for name in segment_names(self.segment_prefix):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except FileNotFoundError:
+                continue  # its trainer unlinked it meanwhile
+            except OSError as e:
+                warnings.warn(f"ipc weight transfer: cannot remove shared-memory segment {name!r}: {e}", stacklevel=2)
+                continue
+            removed.append(name)
+        return removed
 
     def receive_weights(self, update_info: IPCWeightTransferUpdateInfo | dict, load_weights: LoadWeights) -> None:
         """Map each tensor of the chunk and call ``load_weights([(name, tensor)])`` for it, one at a time.
 
+        If the chunk fails once its update info parsed (a bad handle, ``load_weights`` raising), the update
+        is over: this engine's segments are removed (``remove_segments``) before the error propagates, so a
+        trainer killed mid-update leaves nothing behind (a live trainer, waiting for this answer, keeps its
+        mapping and ends without removing anything more).
+
         Raises:
             RuntimeError: init_transfer_engine was not called.
-            ValueError: a handle that is malformed, for another GPU, or of another dtype/shape than the update
-                info says; names the tensor.
+            ValueError: update info that does not parse (nothing removed), or a handle that is malformed,
+                for another GPU, or of another dtype/shape than the update info says; names the tensor.
             whatever ``load_weights`` raised.
         """
         if self.allow_pickled_handles is not True:
             raise RuntimeError("ipc weight transfer is not initialized: call init_transfer_engine() first")
         info = self.parse_update_info(update_info)
+        try:
+            self._receive(info, load_weights)
+        except BaseException:
+            self.remove_segments()
+            raise
+
+    def _receive(self, info: IPCWeightTransferUpdateInfo, load_weights: LoadWeights) -> None:
         handles = info.ipc_handles
         if handles is None:
             handles = pickle.loads(base64.b64decode(info.ipc_handles_pickled))  # opted in above
@@ -229,8 +363,11 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
         raise ValueError(f"ipc handle of tensor {name!r} has neither 'shm_name' nor 'cuda': {sorted(handle)}")
 
     def shutdown(self) -> None:
-        """Nothing is held between updates."""
+        """Remove this engine's segments (``remove_segments``) and forget the opt-in. Safe to call twice."""
+        if self.segment_prefix is not None:
+            self.remove_segments()
         self.allow_pickled_handles = None
+        self.segment_prefix = None
 
     @staticmethod
     def trainer_send_weights(
@@ -239,15 +376,18 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
         """Trainer side: share every (name, tensor) of ``iterator`` with the engine, chunk by chunk.
 
         CUDA tensors are shared in place (``reduce_tensor``, no copy; the trainer must not modify them until
-        this returns). CPU tensors are copied into a shared-memory segment of up to ``buffer_size_bytes``
-        (a larger tensor gets a segment of its own size), reused by the next chunk once ``send_update``
-        returned, and unlinked at the end. Each chunk is one ``send_update(update_info_dict)`` call whose
-        dict carries ``ipc_handles_pickled``.
+        this returns). CPU tensors are copied into a shared-memory segment ``<segment_prefix>_<n>`` of up to
+        ``buffer_size_bytes`` (a larger tensor gets a segment of its own size), reused by the next chunk
+        once ``send_update`` returned, and unlinked when this returns or raises (the engine removes it if
+        this process is killed with its resource tracker; see the module docstring). Each chunk is one
+        ``send_update(update_info_dict)`` call whose dict carries ``ipc_handles_pickled``.
 
         Raises:
+            ValueError: trainer args that do not construct (e.g. a bad ``segment_prefix``).
             whatever ``send_update`` raised (the engine's error); the segment is unlinked all the same.
         """
         args = IPCTrainerSendWeightsArgs(**trainer_args) if isinstance(trainer_args, dict) else trainer_args
+        prefix = args.segment_prefix if args.segment_prefix is not None else new_segment_prefix()
         layout = BucketLayout(args.buffer_size_bytes)
         pending: dict[int, tuple[str, torch.Tensor]] = {}
         segment: list[shared_memory.SharedMemory | None] = [None]
@@ -259,7 +399,7 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
                 if segment[0] is None or segment[0].size < size:
                     _unlink(segment[0])
                     segment[0] = None
-                    segment[0] = shared_memory.SharedMemory(create=True, size=max(size, 1))
+                    segment[0] = _create_segment(prefix, max(size, 1))
                 base = torch.frombuffer(segment[0].buf, dtype=torch.uint8, count=size)
                 for i, off, n in cpu:
                     base[off : off + n].copy_(flat_bytes(pending[i][1]))
@@ -300,10 +440,28 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
             _unlink(segment[0])
 
 
+def _create_segment(prefix: str, size: int) -> shared_memory.SharedMemory:
+    """A new segment ``<prefix>_<n>`` of ``size`` bytes (created exclusively; registered with this process's
+    resource tracker, which unlinks it if the process ends without ``_unlink``)."""
+    for _ in range(1000):
+        name = f"{prefix}_{next(_SEGMENT_NUMBERS)}"
+        try:
+            return shared_memory.SharedMemory(name=name, create=True, size=size)
+        except FileExistsError:
+            continue  # another process's of this prefix, or a leftover the engine has not removed yet
+    raise RuntimeError(f"no free shared-memory segment name {prefix}_<n> after 1000 tries (ls /dev/shm/{prefix}_*)")
+
+
 def _unlink(segment: shared_memory.SharedMemory | None) -> None:
+    """Close and unlink the trainer's segment; the engine may have unlinked it already (a failed update)."""
     if segment is None:
         return
     try:
         segment.close()
     finally:
-        segment.unlink()
+        try:
+            segment.unlink()
+        except FileNotFoundError:
+            # unlink() unregisters from the resource tracker only after it removed the name itself; without
+            # this the tracker would remove, when this process ends, a later segment that reuses the name
+            resource_tracker.unregister("/" + segment.name, "shared_memory")

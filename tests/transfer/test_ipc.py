@@ -1,7 +1,9 @@
 """Backend "ipc" on CPU: the trainer process copies tensors into shared memory, this process maps them."""
 
-import glob
+import base64
 import os
+import pickle
+import re
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import layerwise
 from layerwise.api import model_digest
 from layerwise.errors import ReloadError
 from layerwise.transfer import WeightTransferEngineFactory
+from layerwise.transfer.ipc import segment_names
 from tests.transfer.harness import (
     SCHEMES,
     assert_same_tensors,
@@ -23,10 +26,6 @@ from tests.transfer.harness import (
 CHUNK_BYTES = 10_000  # several chunks per update, so modules straddle chunks (one start/finish around them)
 
 
-def _segments() -> set[str]:
-    return set(glob.glob("/dev/shm/psm_*"))
-
-
 @pytest.mark.parametrize("is_checkpoint_format", [True, False], ids=["checkpoint", "kernel"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_update_equals_fresh_load(ckpts, trainer, ipc_engine, scheme, is_checkpoint_format):
@@ -34,10 +33,12 @@ def test_update_equals_fresh_load(ckpts, trainer, ipc_engine, scheme, is_checkpo
     expected = layerwise.load_model(ckpts["b"], quantization=scheme)
     ptrs = pointers(model)
     tensors = checkpoint_tensors(ckpts["b"]) if is_checkpoint_format else share(kernel_tensors(expected))
-    segments = _segments()
-    trainer.send(
-        "ipc_send", (tensors, {"buffer_size_bytes": CHUNK_BYTES, "is_checkpoint_format": is_checkpoint_format}, "cpu")
-    )
+    args = {
+        "buffer_size_bytes": CHUNK_BYTES,
+        "is_checkpoint_format": is_checkpoint_format,
+        "segment_prefix": ipc_engine.segment_prefix,
+    }
+    trainer.send("ipc_send", (tensors, args, "cpu"))
     report, error, chunks = receive_ipc(
         trainer, model, ipc_engine, is_checkpoint_format=is_checkpoint_format, atomic=not is_checkpoint_format
     )
@@ -45,7 +46,7 @@ def test_update_equals_fresh_load(ckpts, trainer, ipc_engine, scheme, is_checkpo
     assert chunks > 2
     assert_same_tensors(model, expected)
     assert pointers(model) == ptrs
-    assert _segments() <= segments  # the trainer unlinked its segment
+    assert segment_names(ipc_engine.segment_prefix) == []  # the trainer unlinked its segment
 
 
 def test_bad_tensor_atomic_leaves_model_unchanged_and_the_trainer_learns_it(ckpts, trainer, ipc_engine):
@@ -55,10 +56,28 @@ def test_bad_tensor_atomic_leaves_model_unchanged_and_the_trainer_learns_it(ckpt
     key = "model.layers.1.self_attn.v_proj.weight"
     i = [n for n, _ in tensors].index(key)
     tensors[i][1][0, 0] = float("inf")
-    trainer.send("ipc_send", (tensors, {"buffer_size_bytes": CHUNK_BYTES}, "cpu"))
+    args = {"buffer_size_bytes": CHUNK_BYTES, "segment_prefix": ipc_engine.segment_prefix}
+    trainer.send("ipc_send", (tensors, args, "cpu"))
     report, error, _ = receive_ipc(trainer, model, ipc_engine, atomic=True)
     assert isinstance(error, ReloadError) and error.key == key and error.updated_modules == []
     assert model_digest(model) == digest
+    assert segment_names(ipc_engine.segment_prefix) == []  # the engine removed it, then the trainer ended
+
+
+def test_a_trainer_without_segment_prefix_names_and_unlinks_its_own(trainer, ipc_engine):
+    """Older call sites pass no segment_prefix: the trainer draws one per call, which no engine removes."""
+    trainer.send(
+        "ipc_send", ([(f"t{i}", torch.full((256,), float(i))) for i in range(3)], {"buffer_size_bytes": 1024}, "cpu")
+    )
+    seen = set()
+    while (reply := trainer.reply())[0] == "update":
+        seen |= {h["shm_name"] for h in pickle.loads(base64.b64decode(reply[1]["ipc_handles_pickled"]))}
+        ipc_engine.receive_weights(reply[1], lambda weights: None)
+        trainer.send("ack")
+    assert reply == ("ok", None)
+    assert len(seen) == 1 and re.fullmatch(r"layerwise_[0-9a-f]{16}_[0-9]+", name := seen.pop()), seen
+    assert not name.startswith(ipc_engine.segment_prefix + "_")
+    assert not os.path.exists(os.path.join("/dev/shm", name))
 
 
 def test_out_of_order_chunks_are_copied_before_the_segment_is_reused(ckpts, trainer, ipc_engine):
