@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -134,15 +135,17 @@ def outcomes(ckpts):
     results = ctx.Queue()
     child = ctx.Process(target=_child, args=(str(ckpts["a"]), str(ckpts["b"]), free_port(), results))
     child.start()
-    out = {}
-    try:
-        while True:
-            case, packed, atomic, outcome = results.get(timeout=CHILD_SECONDS)
-            if case == "done":
-                break
-            out[(case, packed, atomic)] = outcome
-    except queue.Empty:
-        pass
+    out, deadline = {}, time.monotonic() + CHILD_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            case, packed, atomic, outcome = results.get(timeout=1.0)
+        except queue.Empty:
+            if not child.is_alive():
+                break  # died: the tests report its exit code
+            continue
+        if case == "done":
+            break
+        out[(case, packed, atomic)] = outcome
     child.join(timeout=30)
     if child.is_alive():
         child.kill()
