@@ -12,6 +12,13 @@ or ``start_weight_update`` ... ``finish_weight_update``), so an update requested
 generating waits for the current step and no forward ever sees a half-written module. Reloading writes
 into the very tensors the captured graphs read (see :func:`layerwise.reload_weights`), so no graph is
 ever recaptured.
+
+Which weights made a rollout: ``Engine.weight_version`` counts the weight changes made under that lock
+(0 after load), every step records the version it ran with, and each output says which versions its
+tokens came from (``RequestOutput.weight_versions``, ``CompletionOutput.token_weight_versions``). An
+update lands between the steps of a generation in flight, as vLLM's do unless generation is paused
+(its ``pause_generation(mode="wait")``); ``wait_for_generate=True`` waits for the generations in flight
+to end instead, and holds off those that have not started.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import importlib.util
 import itertools
 import operator
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -86,14 +94,21 @@ class Engine:
         self.stop_ids = StopIds(main, self.eos_token_ids - {main})
         self._request_ids = itertools.count()  # request ids count up across calls, as vLLM's LLM's do
         self._weights_lock = threading.Lock()  # held by each forward step and by each weight update
+        self._weight_version = 0  # written with the weights lock held (_end_update), read by steps holding it
         # updates waiting for the lock: forward steps let them go first (a Lock is not fair: a generating thread
         # that releases and retakes it between steps would starve a waiting update for many steps)
         self._updates_waiting = 0
+        # _turn guards the counts and owners below; every change to them notifies all its waiters
         self._turn = threading.Condition()
-        self._generating = threading.Lock()  # one generation at a time owns the KV cache's slots
-        self._generating_owner: int | None = None
+        self._generating_owner: int | None = None  # the thread whose generation owns the KV cache's slots, or None
+        # wait_for_generate: updates waiting for the generation in flight (generations not yet started let them go
+        # first), and whether one such update holds generations off
+        self._updates_waiting_for_generations = 0
+        self._generations_held = False
         self._held_update_lock = False  # start_weight_update ... finish/abort hold it across calls
         self._update_owner: int | None = None  # the thread that opened that update
+        self._open_update = None  # that update (a layerwise.transfer.WeightUpdate): what it overwrote, if it fails
+        self._open_update_holds_generations = False  # it was started with wait_for_generate
         self.transfer_engine = None  # set by init_weight_transfer_engine
 
     @classmethod
@@ -179,7 +194,10 @@ class Engine:
         Returns:
             one ``RequestOutput`` per prompt, in order, each with its ``n`` completions. Log-probabilities
             (``logprobs`` / ``prompt_logprobs``) are of the raw model distribution: float32 log_softmax of the
-            logits the sampler drew from, before temperature, top-k, top-p or min-p (vLLM's default).
+            logits the sampler drew from, before temperature, top-k, top-p or min-p (vLLM's default). A weight
+            update from another thread may land between two forward steps (unless it was made with
+            ``wait_for_generate=True``); each output's ``weight_versions``, and each completion's
+            ``token_weight_versions`` (one per token), say which :attr:`weight_version` made its tokens.
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt of max_seq_len tokens or
                 more, n > max_batch_size, a string prompt without a tokenizer (names the ``text`` extra), a
@@ -187,23 +205,27 @@ class Engine:
             TypeError: a prompt of another type.
         """
         requests = self._requests(prompts, sampling_params)
-        for _ in self._steps(requests, use_tqdm):
+        versions = _TokenVersions()
+        for _ in self._steps(requests, versions, use_tqdm):
             pass
-        return [r.output(self._text) for r in requests]
+        return [versions.output(r, self._text) for r in requests]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding its ``RequestOutput`` (cumulative: all tokens so far) after every step;
         the last one has ``finished=True``. The prompt is checked at the call (errors as :meth:`generate`);
-        ``reload_weights`` and ``update_weights`` from another thread may land between yields (then the
-        completion mixes tokens of both weights)."""
+        ``reload_weights`` and ``update_weights`` (from this thread or another) may land between yields: then the
+        completion mixes tokens of both weights, and ``weight_versions`` / ``token_weight_versions`` say which.
+        The stream holds the engine from its first step until it ends or is closed: an update with
+        ``wait_for_generate=True`` waits for that (from this thread it raises instead)."""
         requests = self._requests(prompt, sampling_params)
         if len(requests) != 1:
             raise ValueError(f"stream takes one prompt, got {len(requests)}; use generate for several")
         return self._stream(requests[0])
 
     def _stream(self, request: Request) -> Iterator[RequestOutput]:
-        for _ in self._steps([request], use_tqdm=False):
-            yield request.output(self._text)
+        versions = _TokenVersions()
+        for _ in self._steps([request], versions, use_tqdm=False):
+            yield versions.output(request, self._text)
 
     def chat(
         self,
@@ -355,21 +377,31 @@ class Engine:
         """How many most likely tokens a logprobs setting asks for (-1: the whole vocabulary)."""
         return self.model.config.vocab_size if k == -1 else k
 
-    def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
+    def _steps(self, requests: list[Request], versions: _TokenVersions, use_tqdm: bool) -> Iterator[None]:
         """Run the requests to their end, one forward step per iteration, owning the KV cache meanwhile."""
-        if self._generating_owner == threading.get_ident():
+        me = threading.get_ident()
+        if self._generating_owner == me:
             raise RuntimeError(
                 "this thread is already generating on this engine (an unfinished stream()?): finish or close it "
                 "first; the engine's KV cache holds one generation at a time"
             )
-        with self._generating:  # another thread's generation is waited for
-            self._generating_owner = threading.get_ident()
-            try:
-                yield from self._run(requests, use_tqdm)
-            finally:
+        with self._turn:  # another thread's generation is waited for, and so is an update waiting for generations
+            self._turn.wait_for(
+                lambda: (
+                    self._generating_owner is None
+                    and not self._generations_held
+                    and self._updates_waiting_for_generations == 0
+                )
+            )
+            self._generating_owner = me
+        try:
+            yield from self._run(requests, versions, use_tqdm)
+        finally:
+            with self._turn:
                 self._generating_owner = None
+                self._turn.notify_all()
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
+    def _run(self, requests: list[Request], versions: _TokenVersions, use_tqdm: bool) -> Iterator[None]:
         from tqdm.auto import tqdm
 
         for request in requests:
@@ -381,9 +413,9 @@ class Engine:
                 self._refuse_nested_update()  # e.g. start_weight_update between a stream's yields, same thread
                 admitted = scheduler.admit()
                 if admitted:
-                    self._prefill(scheduler, admitted)
+                    self._prefill(scheduler, admitted, versions)
                 else:
-                    self._decode(scheduler)
+                    self._decode(scheduler, versions)
                 for src, dst, length in scheduler.retire():
                     self.runner.copy_slot(src, dst, length)
                 if use_tqdm:
@@ -392,11 +424,11 @@ class Engine:
                     done = finished
                 yield
 
-    def _prefill(self, scheduler: Scheduler, admitted: list[Request]) -> None:
+    def _prefill(self, scheduler: Scheduler, admitted: list[Request], versions: _TokenVersions) -> None:
         first = len(scheduler.running)
         prompts = [r.prompt_token_ids for r in admitted]
         full_rows = [i for i, r in enumerate(admitted) if r.params.prompt_logprobs is not None]
-        with self._step_lock():
+        with self._step_lock() as version:
             logits, full = self.runner.prefill(prompts, first, full_rows)
         for i, row_logits in full.items():
             admitted[i].prompt_logprobs = self._prompt_logprobs(admitted[i], row_logits)
@@ -404,15 +436,18 @@ class Engine:
         for slot, (seq, row) in enumerate(placed[len(admitted) :], start=first + len(admitted)):
             self.runner.copy_slot(first + row, slot, len(seq.request.prompt_token_ids))
         rows = torch.tensor([row for _, row in placed], device=logits.device)
-        self._sample([seq for seq, _ in placed], logits.index_select(0, rows))
+        seqs = [seq for seq, _ in placed]
+        self._sample(seqs, logits.index_select(0, rows))
+        versions.record(seqs, version)
 
-    def _decode(self, scheduler: Scheduler) -> None:
+    def _decode(self, scheduler: Scheduler, versions: _TokenVersions) -> None:
         seqs = scheduler.running
         tokens = [s.token_ids[-1] for s in seqs]
         positions = [s.length - 1 for s in seqs]
-        with self._step_lock():
+        with self._step_lock() as version:
             logits = self.runner.decode(tokens, positions)
         self._sample(seqs, logits)
+        versions.record(seqs, version)
 
     def _sample(self, seqs, logits: torch.Tensor) -> None:
         """Draw each sequence's next token from float32 ``logits`` [len(seqs), vocab] and append it."""
@@ -459,43 +494,153 @@ class Engine:
         dist.broadcast(tokens, src=dist.get_global_rank(tp.group, 0), group=tp.group)
         return tokens
 
+    # ---- weight versions and the weights lock ----
+
+    @property
+    def weight_version(self) -> int:
+        """How many times the weights changed under the engine's lock: 0 after load, +1 for each completed
+        ``reload_weights``, ``update_weights`` (this method, or ``layerwise.transfer.update_weights(engine, ...)``)
+        and ``finish_weight_update``, and for each other ``weight_update_lock()`` block that ends normally.
+
+        A failed update counts only when it overwrote something: a non-atomic one whose error lists
+        ``updated_modules`` (the weights did change, part old, part new); a failed atomic update, a refused one
+        and ``abort_weight_update`` of an update that wrote nothing leave the version as it was. So two tokens of
+        the same version were drawn from the same weights; a new version may, rarely, hold the same values (an
+        empty update, a lock held without changing anything). Changes made to ``engine.model`` without the
+        engine (``layerwise.reload_weights(engine.model, ...)``) are not seen. Under tensor parallelism each rank
+        counts its own, equal when every rank makes the same calls.
+        """
+        return self._weight_version
+
     @contextlib.contextmanager
-    def weight_update_lock(self):
-        """Hold off forward steps while weights change (waits for the step in flight to end).
+    def weight_update_lock(self, *, wait_for_generate: bool = False, wait_timeout: float | None = None):
+        """Hold off forward steps while weights change (waits for the step in flight to end), then count a
+        weight version (see :attr:`weight_version`: the block is taken to have changed the weights, unless it
+        raises an error without ``updated_modules``).
+
+        Args:
+            wait_for_generate: also wait for the generation in flight (a ``generate`` call, or a ``stream`` until
+                it ends or is closed) to finish, and keep generations that have not started waiting until the
+                block ends; False (default, as vLLM): the block runs between two steps of a generation in
+                flight, whose later tokens then come from the new weights.
+            wait_timeout: most seconds to wait before the block runs; None: as long as it takes.
+        Raises:
+            TimeoutError: ``wait_timeout`` passed; nothing was held or changed.
+            RuntimeError: this thread opened an update with ``start_weight_update`` and has not finished it, or
+                (wait_for_generate) this thread's own stream is generating: it would wait for itself forever.
 
         On CUDA the step's kernels may still run when the lock is released; the update's copies are
         issued on the same stream after them, so they never overlap.
         """
-        self._refuse_nested_update()
-        self._acquire_for_update()
+        self._begin_update(wait_for_generate, wait_timeout)
+        changed = False
         try:
             yield
+            changed = True
+        except BaseException as e:
+            changed = _overwrote_something(e)
+            raise
         finally:
-            self._weights_lock.release()
+            self._end_update(changed, holds_generations=wait_for_generate)
 
     @contextlib.contextmanager
     def _step_lock(self):
-        """The weights lock for one forward step, taken only once no weight update is waiting for it."""
+        """The weights lock for one forward step, taken only once no weight update is waiting for it; yields the
+        weight version the step runs with (no update can land while the step holds the lock)."""
         with self._turn:
             self._turn.wait_for(lambda: self._updates_waiting == 0)
         with self._weights_lock:
-            yield
+            yield self._weight_version
 
-    def _acquire_for_update(self) -> None:
+    def _begin_update(self, wait_for_generate: bool, wait_timeout: float | None) -> None:
+        """Wait for the turn to change the weights: (wait_for_generate) no generation in flight, then the weights
+        lock, ahead of forward steps that have not started. Raises TimeoutError past ``wait_timeout`` seconds,
+        holding nothing."""
+        self._refuse_nested_update()
+        if wait_timeout is not None and not wait_timeout >= 0:
+            raise ValueError(f"wait_timeout must be None or >= 0 seconds, got {wait_timeout}")
+        deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
+        if wait_for_generate:
+            self._hold_generations(deadline)
+        try:
+            self._acquire_for_update(deadline)
+        except BaseException:
+            if wait_for_generate:
+                self._release_generations()
+            raise
+
+    def _end_update(self, changed: bool, *, holds_generations: bool) -> None:
+        """Count the version (still under the weights lock, so a step reads it before or after, never midway),
+        then let forward steps and generations run again."""
+        if changed:
+            self._weight_version += 1
+        self._weights_lock.release()
+        if holds_generations:
+            self._release_generations()
+
+    def _hold_generations(self, deadline: float | None) -> None:
+        """Wait until no generation is in flight, and keep new ones from starting until _release_generations.
+        Generations that have not started wait behind a waiting update, so a thread that generates in a loop
+        cannot keep it waiting; the update waits at most for the generation in flight."""
+        if self._generating_owner == threading.get_ident():
+            raise RuntimeError(
+                "wait_for_generate=True from the thread whose stream() is generating on this engine would wait for "
+                "that stream forever: finish or close the stream first, or update without wait_for_generate (the "
+                "update then lands between the stream's steps)"
+            )
+        with self._turn:
+            self._updates_waiting_for_generations += 1
+            try:
+                free = self._turn.wait_for(
+                    lambda: self._generating_owner is None and not self._generations_held, _seconds_left(deadline)
+                )
+                if free:
+                    self._generations_held = True
+            finally:
+                self._updates_waiting_for_generations -= 1
+                self._turn.notify_all()
+        if not free:
+            raise TimeoutError(
+                "wait_for_generate: the generation in flight on this engine did not end within wait_timeout "
+                "(an unfinished stream that is no longer read holds the engine until it is closed); the weights "
+                "were not changed"
+            )
+
+    def _release_generations(self) -> None:
+        with self._turn:
+            self._generations_held = False
+            self._turn.notify_all()
+
+    def _acquire_for_update(self, deadline: float | None) -> None:
         """Take the weights lock for an update, ahead of forward steps that have not started yet."""
         with self._turn:
             self._updates_waiting += 1
         try:
-            self._weights_lock.acquire()
+            left = _seconds_left(deadline)
+            acquired = self._weights_lock.acquire(timeout=-1 if left is None else left)
         finally:
             with self._turn:
                 self._updates_waiting -= 1
                 self._turn.notify_all()
+        if not acquired:
+            raise TimeoutError(
+                "the weights lock was not free within wait_timeout (another thread's update, opened with "
+                "start_weight_update, may still be open); the weights were not changed"
+            )
 
-    def reload_weights(self, weights: Weights, **kwargs) -> ReloadReport:
+    def reload_weights(
+        self, weights: Weights, *, wait_for_generate: bool = False, wait_timeout: float | None = None, **kwargs
+    ) -> ReloadReport:
         """:func:`layerwise.reload_weights` on the engine's model, between forward steps; the captured
-        graph stays valid."""
-        with self.weight_update_lock():
+        graph stays valid. Counts a :attr:`weight_version` when it completes (or fails having overwritten
+        modules).
+
+        Args:
+            wait_for_generate, wait_timeout: as :meth:`weight_update_lock`: by default the reload lands between two
+                steps of a generation in flight (vLLM's behaviour); True waits for it to end.
+            kwargs: those of :func:`layerwise.reload_weights` (is_checkpoint_format, atomic).
+        """
+        with self.weight_update_lock(wait_for_generate=wait_for_generate, wait_timeout=wait_timeout):
             return reload_weights(self.model, weights, **kwargs)
 
     # ---- weight sync from a trainer (layerwise.transfer), named as vLLM's engine methods ----
@@ -529,10 +674,22 @@ class Engine:
         engine.init_transfer_engine(init_info)
         self.transfer_engine = engine
 
-    def update_weights(self, request, *, atomic: bool = False) -> ReloadReport:
+    def update_weights(
+        self,
+        request,
+        *,
+        atomic: bool = False,
+        wait_for_generate: bool = False,
+        wait_timeout: float | None = None,
+    ) -> ReloadReport:
         """Receive one update from the trainer through the engine's transfer backend, between forward
-        steps (see :func:`layerwise.transfer.update_weights` for the request and the errors).
+        steps (see :func:`layerwise.transfer.update_weights` for the request and the errors). Counts a
+        :attr:`weight_version` when it completes (or fails having overwritten modules).
 
+        Args:
+            wait_for_generate, wait_timeout: as :meth:`weight_update_lock`. By default the update lands between two
+                steps of a generation in flight, as vLLM's ``update_weights`` does when generation is not paused;
+                True waits for the generation to end, as vLLM's ``pause_generation(mode="wait")`` before it.
         Raises:
             RuntimeError: no transfer backend (call init_weight_transfer_engine first).
         """
@@ -540,21 +697,34 @@ class Engine:
 
         if self.transfer_engine is None:
             raise RuntimeError("no weight-transfer backend: call engine.init_weight_transfer_engine(...) first")
-        return update_weights(self, self.transfer_engine, request, atomic=atomic)
+        with self.weight_update_lock(wait_for_generate=wait_for_generate, wait_timeout=wait_timeout):
+            return update_weights(self.model, self.transfer_engine, request, atomic=atomic)
 
-    def start_weight_update(self, is_checkpoint_format: bool = True, *, atomic: bool = False):
+    def start_weight_update(
+        self,
+        is_checkpoint_format: bool = True,
+        *,
+        atomic: bool = False,
+        wait_for_generate: bool = False,
+        wait_timeout: float | None = None,
+    ):
         """Open an update (vLLM's start_weight_update); forward steps wait until it is finished or
-        aborted. Returns the open ``layerwise.transfer.WeightUpdate``."""
+        aborted. Returns the open ``layerwise.transfer.WeightUpdate``.
+
+        Args:
+            wait_for_generate, wait_timeout: as :meth:`weight_update_lock`; with wait_for_generate, generations
+                that have not started wait until the update is finished or aborted.
+        """
         from layerwise.transfer import start_weight_update
 
-        self._refuse_nested_update()
-        self._acquire_for_update()
+        self._begin_update(wait_for_generate, wait_timeout)
         try:
             update = start_weight_update(self.model, is_checkpoint_format, atomic=atomic)
         except BaseException:
-            self._weights_lock.release()
+            self._end_update(False, holds_generations=wait_for_generate)
             raise
         self._held_update_lock, self._update_owner = True, threading.get_ident()
+        self._open_update, self._open_update_holds_generations = update, wait_for_generate
         return update
 
     def receive_weights(self, update_info, transfer_engine=None) -> None:
@@ -565,23 +735,33 @@ class Engine:
         receive_weight_update(self.model, transfer_engine or self.transfer_engine, update_info)
 
     def finish_weight_update(self) -> ReloadReport:
-        """Finish the open update (atomic: commit it) and let forward steps run again."""
+        """Finish the open update (atomic: commit it), count a :attr:`weight_version`, and let forward steps run
+        again. A failed finish counts a version only when the update overwrote something (its error's
+        ``updated_modules``, or what a failed ``receive`` had written before it closed the update)."""
         from layerwise.transfer import finish_weight_update
 
+        update, changed = self._open_update, False
         try:
-            return finish_weight_update(self.model)
+            report = finish_weight_update(self.model)
+            changed = True
+            return report
+        except BaseException as e:
+            changed = _overwrote_something(e) or bool(update is not None and update.updated)
+            raise
         finally:
-            self._release_update_lock()
+            self._release_update_lock(changed)
 
     def abort_weight_update(self) -> list[str]:
         """Abort the open update and let forward steps run again; returns the modules it had already
-        overwritten (see ``layerwise.transfer.abort_weight_update``)."""
+        overwritten (see ``layerwise.transfer.abort_weight_update``). Counts a :attr:`weight_version` only when
+        the update had overwritten something (non-atomic)."""
         from layerwise.transfer import abort_weight_update
 
+        update = self._open_update
         try:
             return abort_weight_update(self.model)
-        finally:
-            self._release_update_lock()
+        finally:  # the update's list holds what it wrote, also when a failed receive had closed it already
+            self._release_update_lock(bool(update is not None and update.updated))
 
     def shutdown_weight_transfer(self) -> None:
         """Close the transfer backend's connection (its process group or shared memory)."""
@@ -599,7 +779,41 @@ class Engine:
                 "update_weights wait for it)"
             )
 
-    def _release_update_lock(self) -> None:
+    def _release_update_lock(self, changed: bool) -> None:
         if self._held_update_lock:
+            holds_generations = self._open_update_holds_generations
             self._held_update_lock, self._update_owner = False, None
-            self._weights_lock.release()
+            self._open_update, self._open_update_holds_generations = None, False
+            self._end_update(changed, holds_generations=holds_generations)
+
+
+class _TokenVersions:
+    """The weight version of every token one call generates, by sequence (the scheduler's Sequence has no field for
+    it): the version of the forward step whose logits the token was drawn from."""
+
+    def __init__(self) -> None:
+        self._by_sequence: dict[int, list[int]] = {}  # id(sequence): the call's requests keep each one alive
+
+    def record(self, seqs, version: int) -> None:
+        """Each of ``seqs`` has just appended one token drawn at a step of ``version``."""
+        for seq in seqs:
+            self._by_sequence.setdefault(id(seq), []).append(version)
+
+    def output(self, request: Request, decode_text) -> RequestOutput:
+        """The request's ``RequestOutput``, with its completions' token versions and their distinct values (the
+        prefill's version is its first tokens' version)."""
+        out = request.output(decode_text)
+        for completion, seq in zip(out.outputs, request.sequences, strict=True):
+            completion.token_weight_versions = list(self._by_sequence.get(id(seq), ()))
+        out.weight_versions = sorted({v for c in out.outputs for v in c.token_weight_versions})
+        return out
+
+
+def _overwrote_something(error: BaseException) -> bool:
+    """Whether a failed update changed weights: a ReloadError lists the modules it had overwritten (none when
+    atomic, or when it failed before writing)."""
+    return bool(getattr(error, "updated_modules", None))
+
+
+def _seconds_left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -1,7 +1,9 @@
-"""What ``Engine.generate`` returns: vLLM's ``RequestOutput``, ``CompletionOutput`` and ``Logprob``, same fields.
+"""What ``Engine.generate`` returns: vLLM's ``RequestOutput``, ``CompletionOutput`` and ``Logprob``, same fields,
+plus which weights made each token.
 
 Code that reads vLLM's offline outputs (``out.outputs[0].token_ids``, ``.logprobs[t][token_id].logprob``,
-``.finish_reason``) reads these unchanged.
+``.finish_reason``) reads these unchanged. The fields vLLM does not have come last, with defaults:
+``RequestOutput.weight_versions`` and ``CompletionOutput.token_weight_versions`` (see ``Engine.weight_version``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class CompletionOutput:
             the sampled token and the ``logprobs`` most likely ones.
         finish_reason: "stop" (EOS or a stop id), "length" (max_tokens or the context), None while running.
         stop_reason: the stop id that ended it, None for EOS, length or while running (vLLM's meaning).
+        token_weight_versions: (not in vLLM) one per token id: the ``Engine.weight_version`` of the forward step
+            whose logits that token was drawn from. Where it changes, an update landed between two steps: the
+            later tokens were drawn from the new weights, attending to keys and values that earlier steps cached
+            with the older ones (the cache is not recomputed, as in vLLM). None when no engine filled it.
     """
 
     index: int
@@ -50,6 +56,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | None = None
+    token_weight_versions: list[int] | None = None
 
     def finished(self) -> bool:
         """Whether the completion has ended."""
@@ -69,6 +76,10 @@ class RequestOutput:
             predicts it), each later one holding that prompt token and the ``prompt_logprobs`` most likely.
         outputs: the ``n`` completions, by index.
         finished: whether every completion has ended.
+        weight_versions: (not in vLLM) the distinct ``Engine.weight_version`` values, ascending, of the forward
+            steps that made this request's tokens (its prefill, which drew the first token of each completion,
+            and every decode step): one value unless a weight update landed while it was generating. Empty when
+            no engine filled it.
     """
 
     request_id: str
@@ -77,3 +88,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    weight_versions: list[int] = field(default_factory=list)
