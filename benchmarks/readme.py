@@ -233,10 +233,17 @@ def targets_table(summary: dict) -> str:
 
 def weight_transfer_table(result: dict) -> str:
     """Markdown table of a weight_transfer result: seconds per case, / its floor, receiver peak extra MiB."""
-    lines = ["| case | seconds | / floor | receiver peak extra MiB |", "|---|---:|---:|---:|"]
+    lines = [
+        "| case | seconds | / floor | receiver peak extra MiB | header checks s (share) | checksums s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in result["results"]:
         extra = f"{r['peak_extra_bytes'] / MIB:,.1f}" if "peak_extra_bytes" in r else ""
-        lines.append(f"| {r['case']} | {r['seconds']:.3f} | {r.get('over_floor', 1.0):.2f} | {extra} |")
+        check = f"{r['check_seconds']:.4f} ({r['check_fraction']:.1%})" if "check_seconds" in r else ""
+        verify = f"{r['verify_seconds']:.3f}" if "verify_seconds" in r else ""
+        lines.append(
+            f"| {r['case']} | {r['seconds']:.3f} | {r.get('over_floor', 1.0):.2f} | {extra} | {check} | {verify} |"
+        )
     return "\n".join(lines)
 
 

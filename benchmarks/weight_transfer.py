@@ -11,6 +11,15 @@ device). 127.0.0.1, a free port, and every wait bounded by ``--timeout`` seconds
   floor: packed     the same bytes as the packed buckets (packed before the clock starts)
   update: unpacked  trainer_send_weights -> layerwise.transfer.update_weights, each tensor alone
   update: packed    the same in buckets of --bucket-mib MiB, 2 buffers
+  update: packed, verify   the same with verify=True: a checksum of every bucket, sender's against receiver's
+
+The header check (issue 32): before each bucket one all-reduce of 8 int64 (bytes, tensor count, digest of
+names/dtypes/shapes, verify), and one for the end of the update. check_seconds: of the best update run, the
+seconds the engine waited for an agreement's result (it posts a header while it loads the bucket before,
+so this is what the round trips did not overlap, waiting for the trainer to reach the bucket included).
+unchecked_seconds: the best of the same update with the agreement switched off in both processes (a
+benchmark-only patch); check_cost = seconds / unchecked_seconds - 1 (target <= 0.02). verify_seconds: the
+checksums (CRC-32 on the CPU) and their all-reduces; over_unverified: the verified update / the plain one.
 
 seconds: from the trainer starting to send (its ``time.monotonic()``, one system-wide clock on Linux)
 until the engine's last receive returned (floor) or its ``update_weights`` returned (update); best of
@@ -58,11 +67,31 @@ from layerwise.benchmarks.options import (
 from layerwise.benchmarks.readme import weight_transfer_table
 
 TARGET_TIME_OVER_FLOOR = 1.5  # packed update / floor (issue 11)
+TARGET_CHECK_COST = 0.02  # update with the header check / without it - 1 (issue 32)
 MAX_BUCKET_BYTES = 64 * 2**20  # default bucket: 64 MiB, or less for a small checkpoint (see default_bucket_bytes)
 NUM_BUFFERS = 2  # buckets in flight (the backend's default), and broadcasts in flight for unpacked and the floor
 DEFAULT_TIMEOUT_SECONDS = 120.0
 READY_SECONDS = 600.0  # bound on the trainer's start (imports + reading the checkpoint into memory)
 MIB = 2**20
+
+
+class _Agreed:
+    """The wire agreement switched off: every rank takes its own values as agreed (no collective)."""
+
+    def __init__(self, group, values, key, what):
+        self.values, self.key, self.what = list(values), key, what
+
+    def result(self):
+        return self.values, self.values
+
+
+def set_header_checks(on: bool) -> None:
+    """Switch the wire agreement off (``on`` False) or back on in this process (the trainer's). Only for
+    measuring what the check costs; both processes must switch together."""
+    from layerwise.transfer import wire
+
+    original = wire.__dict__.setdefault("_benchmark_original_agreement", wire.Agreement)
+    wire.Agreement = original if on else _Agreed
 
 
 def default_bucket_bytes(checkpoint_bytes: int, largest_tensor_bytes: int) -> int:
@@ -155,6 +184,9 @@ def trainer_main(path: str, device: str, threads: int, commands, replies) -> Non
                 NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), dict(payload, group=group))
                 sync()
                 replies.put(("ok", start))
+            elif cmd == "checks":
+                set_header_checks(payload)
+                replies.put(("ok", None))
             elif cmd == "floor":
                 if payload not in floors:  # pack once, before any clock starts
                     flat = [flat_bytes(t) for _, t in tensors]
@@ -315,6 +347,7 @@ class Bench:
             self.transfer = WeightTransferEngineFactory.create_engine("nccl", device=device)
             self.transfer.init_transfer_engine(info)
             self._time_waits(self.transfer.group)
+            self._time_checks()
             self.trainer.expect()
             self.model = layerwise.load_model(path, quantization="fp8", device=device)
             self.reference = layerwise.load_model(path, quantization="fp8", device=device)  # the trainer's weights
@@ -337,6 +370,53 @@ class Bench:
 
         group.wait = wait
 
+    def set_header_checks(self, on: bool) -> None:
+        """Switch the header agreement off or on in both processes (see :func:`set_header_checks`)."""
+        self.trainer.send("checks", on)
+        self.trainer.expect()
+        self.agreement_cls = self._wire_functions[0] if on else _Agreed
+
+    def _time_checks(self) -> None:
+        """Make the wire agreement add the seconds a rank waits for its result to ``self.checked`` (headers)
+        and ``self.verified`` (checksums: computing one, and its all-reduce), in this process; ``close``
+        undoes it."""
+        from layerwise.transfer import wire
+
+        self._wire_functions = agreement, checksum = wire.Agreement, wire.checksum
+        self.agreement_cls = agreement
+        self.checked = self.verified = 0.0
+        bench = self
+
+        class TimedAgreement:
+            def __init__(self, group, values, key, what):
+                self.inner = bench.agreement_cls(group, values, key, what)
+                self.key, self.what = key, what
+
+            def result(self):
+                start = time.monotonic()
+                try:
+                    return self.inner.result()
+                finally:
+                    if self.what.endswith("checksum"):
+                        bench.verified += time.monotonic() - start
+                    else:
+                        bench.checked += time.monotonic() - start
+
+        def timed_checksum(data):
+            start = time.monotonic()
+            try:
+                return checksum(data)
+            finally:
+                self.verified += time.monotonic() - start
+
+        wire.Agreement, wire.checksum = TimedAgreement, timed_checksum
+
+    def _untime_checks(self) -> None:
+        from layerwise.transfer import wire
+
+        if hasattr(self, "_wire_functions"):
+            wire.Agreement, wire.checksum = self._wire_functions
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -352,16 +432,17 @@ class Bench:
         end = time.monotonic()
         return end - self.trainer.expect()
 
-    def update(self, capacity: int | None):
+    def update(self, capacity: int | None, verify: bool = False):
         """One update; returns (seconds from the trainer's first send to update_weights' return, seconds
-        the engine blocked waiting for a broadcast, ReloadReport)."""
+        the engine blocked waiting for a broadcast, ReloadReport, seconds of header checks, seconds of
+        checksums)."""
         from layerwise.transfer import update_weights
 
-        args = {"packed": capacity is not None, "packed_num_buffers": NUM_BUFFERS}
+        args = {"packed": capacity is not None, "packed_num_buffers": NUM_BUFFERS, "verify": verify}
         if capacity is not None:
             args["packed_buffer_size_bytes"] = capacity
         info = dict(self.metadata, is_checkpoint_format=True, **args)
-        self.waited = 0.0
+        self.waited = self.checked = self.verified = 0.0
         self.trainer.send("send", args)
         try:
             report = update_weights(self.model, self.transfer, {"update_info": info})
@@ -373,9 +454,9 @@ class Bench:
             raise
         self._sync()
         end = time.monotonic()
-        return end - self.trainer.expect(), self.waited, report
+        return end - self.trainer.expect(), self.waited, report, self.checked, self.verified
 
-    def verified_update(self, capacity: int | None) -> dict:
+    def verified_update(self, capacity: int | None, verify: bool = False) -> dict:
         """Scramble the engine, update it under the memory tracker, and check it bit for bit.
 
         Returns:
@@ -394,7 +475,7 @@ class Bench:
         pointers = _pointers(self.model)
         self._sync()
         with DeviceMemoryTracker(self.device) as tracker:
-            _, _, report = self.update(capacity)
+            report = self.update(capacity, verify)[2]
             # gloo's worker thread drops its reference to the last received bucket just after wait() returns:
             # give it that moment, or the bucket is counted as memory the update kept (seen once: 1 MiB)
             time.sleep(0.2)
@@ -415,6 +496,7 @@ class Bench:
         }
 
     def close(self) -> None:
+        self._untime_checks()
         if self.transfer is not None:
             self.transfer.shutdown()
         self.trainer.close()
@@ -479,18 +561,47 @@ def _run(size, device, repeats, cache, bucket_bytes, timeout_seconds, threads) -
                     "broadcasts": n,
                 }
             )
-        for label, capacity in cases:
-            checked = bench.verified_update(capacity)  # untimed: verified, memory-tracked, warms up
-            seconds, waited, _ = min((bench.update(capacity) for _ in range(repeats)), key=lambda r: r[0])
+        unverified = {}
+        for label, capacity, verify in [(label, capacity, False) for label, capacity in cases] + [
+            ("packed, verify", bucket, True)
+        ]:
+            floor = floors[label.split(",")[0]]
+            checked = bench.verified_update(capacity, verify)  # untimed: verified, memory-tracked, warms up
+            runs = [bench.update(capacity, verify) for _ in range(repeats)]
+            seconds, waited, _, check, verify_seconds = min(runs, key=lambda r: r[0])
+            unverified.setdefault(label, seconds)
+            unchecked = None
+            if not verify:
+                bench.set_header_checks(False)
+                try:
+                    unchecked = min(bench.update(capacity)[0] for _ in range(repeats))
+                finally:
+                    bench.set_header_checks(True)
             slot = capacity if capacity is not None else max(sizes)
             bound = NUM_BUFFERS * slot + largest_layer
-            over = seconds / floors[label]
+            over = seconds / floor
             rows.append(
                 {
                     "case": f"update: {label}",
                     "seconds": seconds,
                     "wait_seconds": waited,
-                    "floor_seconds": floors[label],
+                    "check_seconds": check,
+                    "check_fraction": check / seconds,
+                    **(
+                        {
+                            "unchecked_seconds": unchecked,
+                            "check_cost": seconds / unchecked - 1,
+                            "meets_check_target": seconds / unchecked - 1 <= TARGET_CHECK_COST,
+                        }
+                        if unchecked
+                        else {}
+                    ),
+                    **(
+                        {"verify_seconds": verify_seconds, "over_unverified": seconds / unverified["packed"]}
+                        if verify
+                        else {}
+                    ),
+                    "floor_seconds": floor,
                     "over_floor": over,
                     **checked,
                     "memory_bound_bytes": bound,
@@ -515,6 +626,7 @@ def _run(size, device, repeats, cache, bucket_bytes, timeout_seconds, threads) -
         "packed_buffer_size_bytes": bucket,
         "packed_num_buffers": NUM_BUFFERS,
         "target_time_over_floor": TARGET_TIME_OVER_FLOOR,
+        "target_check_cost": TARGET_CHECK_COST,
         "memory_target": "peak extra bytes <= 2 buckets (unpacked: 2 x the largest tensor) + the largest layer",
         "repeats": repeats,
         "torch_threads_per_process": threads,

@@ -225,20 +225,19 @@ class WeightTransferGroup:
         """Broadcast ``tensor`` from ``src`` and wait for it (bounded); raises as :meth:`wait`."""
         self.wait(self.broadcast(tensor, src, key), key, what)
 
-    def all_reduce_max(self, tensor: torch.Tensor, key: str | None, what: str) -> None:
-        """In-place element-wise max of ``tensor`` (on ``device``) over the group, waited for (bounded)."""
+    def start_all_reduce_max(self, tensor: torch.Tensor, key: str | None, what: str) -> Any:
+        """Start an in-place element-wise max of ``tensor`` (on ``device``) over the group; returns the work
+        to pass to :meth:`wait`."""
         self._check_usable(key)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         try:
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
-                    work = self.backend.allreduce([tensor], opts)
-            else:
-                work = self.backend.allreduce([tensor], opts)
+                    return self.backend.allreduce([tensor], opts)
+            return self.backend.allreduce([tensor], opts)
         except RuntimeError as e:
             raise self._failure(e, key, what) from e
-        self.wait(work, key, what)
 
     def _check_usable(self, key: str | None) -> None:
         if self.broken:
@@ -382,26 +381,47 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
                 slots[s] = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
             return slots[s][:nbytes]
 
-        def agree_on(k: int) -> None:  # bucket k's header (k == len(buckets): the end of the update)
-            ours = declared[k] if k < len(buckets) else []
-            what = _bucket_label(buckets[k], k, len(buckets)) if ours else "the end of the update"
-            key = ours[0][0] if ours else None
-            lo, hi = wire.agree(group, wire.header(ours, buckets[k].nbytes if ours else 0, info.verify), key, what)
-            if lo != hi:
-                theirs = wire.exchange_entries(group, None, key, what)
-                raise wire.mismatch_error(ours, theirs, what, [e for b in declared[k + 1 :] for e in b])
+        def post_header(h: int) -> wire.Agreement:  # bucket h's header (h == len(buckets): the end)
+            ours = declared[h] if h < len(buckets) else []
+            what = _bucket_label(buckets[h], h, len(buckets)) if ours else "the end of the update"
+            values = wire.header(ours, buckets[h].nbytes if ours else 0, info.verify)
+            return wire.Agreement(group, values, ours[0][0] if ours else None, what)
 
+        def settle(h: int, agreement: wire.Agreement) -> None:
+            lo, hi = agreement.result()
+            if lo != hi:
+                theirs = wire.exchange_entries(group, None, agreement.key, agreement.what)
+                raise wire.mismatch_error(
+                    declared[h] if h < len(buckets) else [],
+                    theirs,
+                    agreement.what,
+                    [e for b in declared[h + 1 :] for e in b],
+                )
+
+        def post_payload(h: int) -> None:
+            buf = buffer_for(h)
+            in_flight.append((buf, group.broadcast(buf, 0, declared[h][0][0])))
+
+        # The collectives in the trainer's order: H(h), P(h) for the first num_slots buckets; then per bucket
+        # k: [C(k) with verify], H(k + num_slots), P(k + num_slots); H(end) once the last P is posted; the
+        # remaining C's. The header of bucket k + num_slots is posted right after bucket k arrived and settled
+        # only when its payload is due, so its round trip overlaps loading bucket k.
+        total = len(buckets)
         in_flight: deque = deque()
-        posted, error = 0, None
+        pending: dict[int, wire.Agreement] = {}  # header index -> its agreement in flight
+        error = None
         try:
+            for h in range(min(num_slots, total + 1)):
+                settle(h, post_header(h))
+                if h < total:
+                    post_payload(h)
             for k, bucket in enumerate(buckets):
-                while posted < len(buckets) and posted < k + num_slots:  # slot of bucket `posted` was consumed
-                    agree_on(posted)
-                    buf = buffer_for(posted)
-                    in_flight.append((buf, group.broadcast(buf, 0, declared[posted][0][0])))
-                    posted += 1
+                h = k + num_slots - 1  # the payload due now (posted at startup for k == 0)
+                if k > 0 and h < total:
+                    settle(h, pending.pop(h))
+                    post_payload(h)
                 buf, work = in_flight.popleft()
-                what = _bucket_label(bucket, k, len(buckets))
+                what = _bucket_label(bucket, k, total)
                 group.wait(work, declared[k][0][0], what)
                 if info.verify:
                     lo, hi = wire.agree(group, wire.checksum(buf), declared[k][0][0], f"{what}'s checksum")
@@ -412,14 +432,20 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
                             f"bucket was loaded; the trainer raised too, and the group stays in step",
                             key=declared[k][0][0],
                         )
+                if k + num_slots <= total:
+                    pending[k + num_slots] = post_header(k + num_slots)
                 if error is None:
                     try:
                         load_weights(unpack_bucket(buf, bucket, info.names, info.dtypes, info.shapes))
                     except Exception as e:  # noqa: BLE001 -- Limitations 3: keep receiving, the trainer stays in step
                         error = e
                 del buf
-            agree_on(len(buckets))
+            if total in pending:
+                settle(total, pending.pop(total))
         except WeightTransferError:
+            if not group.broken:
+                for agreement in pending.values():  # posted, so the trainer takes part in it too
+                    agreement.result()
             _drain(group, in_flight)
             raise
         if error is not None:
@@ -571,9 +597,11 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             last = layout.close()
             if last is not None:
                 send(last)
-            while in_flight:
+            if len(in_flight) >= num_slots:  # the end's header goes where the next bucket's would
                 complete_oldest()
             agree_on([], 0, "the end of the update")
+            while in_flight:
+                complete_oldest()
         except WeightTransferError:
             _drain(group, in_flight)
             raise

@@ -1,4 +1,7 @@
-"""The wire agreement's pure parts: the checksum against a plain-Python Fletcher, and the header digest."""
+"""The wire agreement's pure parts: the checksums (CPU: zlib's CRC-32; the CUDA one, Fletcher, run here on the CPU
+against a plain-Python Fletcher), and the header digest."""
+
+import zlib
 
 import pytest
 import torch
@@ -21,19 +24,20 @@ def _reference(data: bytes) -> list[int]:
 @pytest.mark.parametrize("n", [0, 1, 7, 4096, 65521 * 2 + 10])
 def test_checksum_equals_the_reference(n):
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    assert wire.checksum(data) == _reference(bytes(data.tolist()))
+    assert wire.fletcher(data) == _reference(bytes(data.tolist()))
 
 
 def test_checksum_of_a_view_at_an_odd_offset_and_across_chunks(monkeypatch):
     data = torch.randint(0, 256, (10_001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    assert wire.checksum(data[1:]) == _reference(bytes(data[1:].tolist()))
-    monkeypatch.setattr(wire, "_CHUNK_WORDS", 1000)  # many chunks: the position weights carry over
-    assert wire.checksum(data) == _reference(bytes(data.tolist()))
+    assert wire.fletcher(data[1:]) == _reference(bytes(data[1:].tolist()))
+    monkeypatch.setattr(wire, "_CHUNK_WORDS", wire._WEIGHT_PERIOD)  # several chunks: the weights carry over
+    data = torch.randint(0, 256, (3 * 2 * wire._WEIGHT_PERIOD + 7,), dtype=torch.uint8)
+    assert wire.fletcher(data) == _reference(bytes(data.tolist()))
 
 
 def test_checksum_sees_a_flipped_bit_two_swapped_words_and_zeroed_bytes():
     data = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    base = wire.checksum(data)
+    base = wire.fletcher(data)
     flipped = data.clone()
     flipped[100] ^= 1
     swapped = data.clone()
@@ -41,7 +45,7 @@ def test_checksum_sees_a_flipped_bit_two_swapped_words_and_zeroed_bytes():
     zeroed = data.clone()
     zeroed[-64:] = 0
     for other in (flipped, swapped, zeroed):
-        assert wire.checksum(other) != base
+        assert wire.fletcher(other) != base
 
 
 def test_header_digest_covers_names_dtypes_shapes_and_order():
@@ -52,3 +56,9 @@ def test_header_digest_covers_names_dtypes_shapes_and_order():
     assert wire.header([("x", "float16", [2, 3]), a[1]], 28, False) != base
     assert wire.header([("x", "bfloat16", [3, 2]), a[1]], 28, False) != base
     assert wire.header(a, 28, True)[3] == 1 and wire.header([], 0, False)[0] == wire.END
+
+
+def test_the_cpu_checksum_is_zlibs_crc32():
+    data = torch.randint(0, 256, (4097,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    assert wire.checksum(data) == [zlib.crc32(bytes(data.tolist())), 4097]
+    assert wire.checksum(data[1:]) == [zlib.crc32(bytes(data[1:].tolist())), 4096]
