@@ -23,16 +23,40 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    aborted (atomic: nothing changed; otherwise ``updated_modules`` lists what was). The group is unusable
    after that: shutdown() and init again. After a *bad tensor* instead, the engine keeps receiving (and
    dropping) the rest of the update, so the trainer completes its send and the group stays usable.
+   Joining is bounded too: ``init_transfer_engine`` and ``trainer_init`` return or raise within
+   ``timeout_seconds`` plus a poll (the message gives the true elapsed time), and each rank is admitted
+   once: a second engine with a taken rank, or one late after the group formed, is refused with a
+   WeightTransferError; a ``group_id`` in the init info makes an engine refuse a trainer hosting another
+   group (``layerwise/transfer/rendezvous.py``). A rank that dies in the milliseconds between the
+   rendezvous and the process group's own connection can still cost one more timeout.
 4. Tied embeddings: ``lm_head.weight`` and ``model.embed_tokens.weight`` name one tensor, which stays one
    tensor. In checkpoint format whichever name arrives first in an update is loaded and the other is
    skipped (their values are not compared); in kernel format both names write that tensor, the last wins.
 5. The ipc backend unpickles and maps handles sent by the trainer: it works only with
    ``allow_pickled_handles=True`` and must never receive handles from an untrusted process. CPU shared
-   memory is /dev/shm (Linux).
+   memory is /dev/shm (Linux), in segments named ``<segment_prefix>_<n>`` after the init info's prefix
+   (drawn fresh as ``layerwise_<16 hex>`` unless given; pass it to the trainer as ``segment_prefix``). The
+   trainer unlinks its segment when its send returns or raises; the engine removes exactly its prefix's
+   segments at init, when receive_weights raises, at shutdown and on ``remove_segments()``, so a trainer
+   killed with its resource tracker leaves nothing once the engine cleans up. Trainer and engine both
+   SIGKILLed: the segment stays until an engine with that prefix inits, or reboot (``ls /dev/shm/<prefix>_*``).
 6. Not thread-safe: one update per model at a time; ``update_weights`` holds the object's
    ``weight_update_lock()`` when it has one, so forward steps wait for the whole update.
 7. The nccl backend's NCCL (CUDA) path and the ipc backend's CUDA path are tested only on a GPU machine
    (tests marked ``gpu``); a timed-out NCCL communicator is aborted, which needs a fresh group.
+8. Sizes are agreed before bytes move (nccl backend, ``layerwise/transfer/wire.py``): before each bucket the
+   trainer and the engines all-reduce its header (bytes, tensor count, a CRC-32 of names, dtypes and
+   shapes), and an end-of-update header after the last, so a trainer that sends another dtype or shape, a
+   tensor too few or too many, or another packing raises WeightTransferError on both sides, naming the first
+   tensor that differs with both sizes, before any collective with mismatched sizes (gloo would abort the
+   process); nothing of that bucket is loaded, the update is aborted as in 3, and the group stays in step
+   for the next update. ``verify=True`` (update info and trainer args) compares a checksum of each bucket's
+   bytes, sender's against receiver's, before it is loaded: CRC-32 on the CPU, Fletcher on CUDA; it
+   catches bytes changed in transit or while the trainer sent them, not an adversary. Not detected: a
+   trainer that sends other *values* of the declared names, dtypes and shapes (wrong weights are
+   weights); the non-finite check (Limitations of the reload) still applies. On CUDA (NCCL) the agreement
+   and the Fletcher checksum have not run on GPUs yet (the NCCL tests need two); the Fletcher code is tested
+   on the CPU against plain Python.
 """
 
 from layerwise.transfer.base import (
