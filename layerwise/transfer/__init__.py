@@ -46,11 +46,13 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    (tests marked ``gpu``); a timed-out NCCL communicator is aborted, which needs a fresh group.
 8. Sizes are agreed before bytes move (nccl backend, ``layerwise/transfer/wire.py``): before each bucket the
    trainer and the engines all-reduce its header (bytes, tensor count, a CRC-32 of names, dtypes and
-   shapes), and an end-of-update header after the last, so a trainer that sends another dtype or shape, a
-   tensor too few or too many, or another packing raises WeightTransferError on both sides, naming the first
-   tensor that differs with both sizes, before any collective with mismatched sizes (gloo would abort the
-   process); nothing of that bucket is loaded, the update is aborted as in 3, and the group stays in step
-   for the next update. ``verify=True`` (update info and trainer args) compares a checksum of each bucket's
+   shapes, verify and the buckets in flight), and an end-of-update header after the last, so a trainer that
+   sends another dtype or shape, a tensor too few or too many, or another packing raises WeightTransferError
+   on both sides (the engine names the first tensor that differs and both sizes; the trainer its bucket's
+   first tensor) before any collective with mismatched sizes (gloo would abort the process); nothing of
+   that bucket is loaded, the update is aborted as in 3, and the group stays in step for the next update. A
+   trainer whose iterator raises tells the engines at its next header (they raise naming its error; the
+   group stays in step). Any other error in the middle of an update marks the group unusable. ``verify=True`` (update info and trainer args) compares a checksum of each bucket's
    bytes, sender's against receiver's, before it is loaded: CRC-32 on the CPU, Fletcher on CUDA; it
    catches bytes changed in transit or while the trainer sent them, not an adversary. Not detected: a
    trainer that sends other *values* of the declared names, dtypes and shapes (wrong weights are

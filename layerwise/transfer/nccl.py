@@ -280,13 +280,25 @@ def _is_connection_loss(e: BaseException) -> bool:
     return any(s in text for s in _CONNECTION_LOST)
 
 
-def _drain(group: WeightTransferGroup, in_flight: deque) -> None:
-    """After a disagreement: complete the broadcasts both sides posted before it (the group stays in step)."""
+def _finish_after_disagreement(
+    group: WeightTransferGroup, error: WeightTransferError | None, pending: list, in_flight: deque
+) -> None:
+    """After a disagreement (``error``, about to be raised): settle the agreements this rank posted and
+    complete the broadcasts both sides posted before it, so the group stays in step. If that fails too, the
+    group is broken (as its own error says) and ``error`` keeps the first word: its message is extended."""
     if group.broken:
         return
-    while in_flight:
-        item = in_flight.popleft()
-        group.wait(item[1], None, "a bucket posted before the disagreement")
+    try:
+        for settle in pending:  # posted, so the trainer takes part in them too
+            settle()
+        while in_flight:
+            item = in_flight.popleft()
+            group.wait(item[1], None, "a bucket posted before the disagreement")
+    except WeightTransferError as cleanup:
+        if error is None:
+            return  # the group is marked broken; the caller raises its own error
+        message = error.message.replace("the group stays in step", "the group is now unusable")
+        error.message = f"{message}; then, finishing the buckets in flight: {cleanup.message}"
 
 
 def _bucket_label(bucket: Bucket, k: int, total: int | None) -> str:
@@ -384,18 +396,19 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         def post_header(h: int) -> wire.Agreement:  # bucket h's header (h == len(buckets): the end)
             ours = declared[h] if h < len(buckets) else []
             what = _bucket_label(buckets[h], h, len(buckets)) if ours else "the end of the update"
-            values = wire.header(ours, buckets[h].nbytes if ours else 0, info.verify)
+            values = wire.header(ours, buckets[h].nbytes if ours else 0, info.verify, num_slots)
             return wire.Agreement(group, values, ours[0][0] if ours else None, what)
 
         def settle(h: int, agreement: wire.Agreement) -> None:
             lo, hi = agreement.result()
             if lo != hi:
-                theirs = wire.exchange_entries(group, None, agreement.key, agreement.what)
+                theirs, reason = wire.exchange_entries(group, None, agreement.key, agreement.what)
                 raise wire.mismatch_error(
                     declared[h] if h < len(buckets) else [],
                     theirs,
                     agreement.what,
                     [e for b in declared[h + 1 :] for e in b],
+                    reason,
                 )
 
         def post_payload(h: int) -> None:
@@ -403,8 +416,8 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             in_flight.append((buf, group.broadcast(buf, 0, declared[h][0][0])))
 
         # The collectives in the trainer's order: H(h), P(h) for the first num_slots buckets; then per bucket
-        # k: [C(k) with verify], H(k + num_slots), P(k + num_slots); H(end) once the last P is posted; the
-        # remaining C's. The header of bucket k + num_slots is posted right after bucket k arrived and settled
+        # k: [C(k) with verify], H(k + num_slots), P(k + num_slots), with H(end) where the next H would go;
+        # then the remaining C's. The header of bucket k + num_slots is posted right after bucket k arrived and settled
         # only when its payload is due, so its round trip overlaps loading bucket k.
         total = len(buckets)
         in_flight: deque = deque()
@@ -416,10 +429,11 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
                 if h < total:
                     post_payload(h)
             for k, bucket in enumerate(buckets):
-                h = k + num_slots - 1  # the payload due now (posted at startup for k == 0)
-                if k > 0 and h < total:
+                h = k + num_slots - 1  # the header and payload due now (at startup for k == 0)
+                if k > 0 and h <= total:
                     settle(h, pending.pop(h))
-                    post_payload(h)
+                    if h < total:
+                        post_payload(h)
                 buf, work = in_flight.popleft()
                 what = _bucket_label(bucket, k, total)
                 group.wait(work, declared[k][0][0], what)
@@ -440,13 +454,15 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
                     except Exception as e:  # noqa: BLE001 -- Limitations 3: keep receiving, the trainer stays in step
                         error = e
                 del buf
-            if total in pending:
+            if total in pending:  # one bucket in flight: H(end) comes after the last C
                 settle(total, pending.pop(total))
-        except WeightTransferError:
-            if not group.broken:
-                for agreement in pending.values():  # posted, so the trainer takes part in it too
-                    agreement.result()
-            _drain(group, in_flight)
+        except WeightTransferError as e:
+            if error is not None and e.__cause__ is None:
+                e.__cause__ = error  # what load_weights raised before
+            _finish_after_disagreement(group, e, [a.result for a in pending.values()], in_flight)
+            raise
+        except BaseException as e:  # out of the protocol's order: the trainer cannot be followed any more
+            group.broken = group.broken or f"{type(e).__name__} in the middle of an update: {e}"
             raise
         if error is not None:
             raise error
@@ -529,22 +545,38 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
 
         def agree_on(entries: list[wire.Entry], nbytes: int, what: str) -> None:
             key = entries[0][0] if entries else None
-            ours = wire.header(entries, nbytes, args.verify)
+            ours = wire.header(entries, nbytes, args.verify, num_slots)
             lo, hi = wire.agree(group, ours, key, what)
+            if lo == hi:
+                return
+            wire.exchange_entries(group, entries, key, what)
+            theirs = wire.trainer_view(ours, lo, hi)
+            sending = f"from tensor {wire.describe(entries[0])}" if entries else "nothing more (its end)"
+            if theirs[:3] == ours[:3]:
+                problem = (
+                    f"an engine's settings differ (verify, packed, packed_buffer_size_bytes and "
+                    f"packed_num_buffers must match the trainer's: verify={args.verify}, {num_slots} in flight)"
+                )
+            else:
+                expected = "the end of the update" if theirs[0] == wire.END else f"{theirs[1]} tensor(s)"
+                expected += "" if theirs[0] == wire.END else f", {theirs[0]} bytes"
+                problem = (
+                    f"an engine expects {expected}, the trainer sends {sending}: the update info the engines "
+                    f"hold differs from the tensors given to trainer_send_weights (names, dtypes, shapes and "
+                    f"order must match)"
+                )
+            raise WeightTransferError(
+                f"weight transfer, {what}: {problem}; nothing of this bucket was sent, and the group stays in step",
+                key=key,
+            )
+
+        def give_up(e: BaseException) -> None:  # the iterator raised: tell the engines where a header is due
+            if len(in_flight) >= num_slots:
+                complete_oldest()
+            what = f"bucket {sent + 1} (the trainer's iterator raised)"
+            lo, hi = wire.agree(group, wire.abort_header(), None, what)
             if lo != hi:
-                wire.exchange_entries(group, entries, key, what)
-                theirs = lo if hi == ours else hi
-                expected = (
-                    "the end of the update" if theirs[0] == wire.END else f"{theirs[1]} tensor(s), {theirs[0]} bytes"
-                )
-                sending = f"from tensor {wire.describe(entries[0])}" if entries else "nothing more (its end)"
-                raise WeightTransferError(
-                    f"weight transfer, {what}: the engines expect {expected}, the trainer sends {sending}: the "
-                    f"update info the engines hold differs from the tensors given to trainer_send_weights (names, "
-                    f"dtypes, shapes, order, packed settings and verify must match); nothing of this bucket was "
-                    f"sent, and the group stays in step",
-                    key=key,
-                )
+                wire.exchange_entries(group, [], None, what, reason=f"{type(e).__name__}: {e}")
 
         def complete_oldest() -> None:
             buf, work, key, label = in_flight.popleft()
@@ -585,11 +617,22 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             in_flight.append((buf, group.broadcast(buf, args.src, entries[0][0]), entries[0][0], label))
             sent += 1
 
+        items = enumerate(iterator)
+        gave_up: BaseException | None = None
         try:
-            for index, (name, tensor) in enumerate(iterator):
-                if tensor.device != group.device:
-                    tensor = tensor.to(group.device)
-                flat = flat_bytes(tensor)
+            while True:
+                try:
+                    index, (name, tensor) = next(items)
+                    if tensor.device != group.device:
+                        tensor = tensor.to(group.device)
+                    flat = flat_bytes(tensor)
+                except StopIteration:
+                    break
+                except Exception as e:  # the caller's iterator or tensor: the engines learn it and stay in step
+                    give_up(e)
+                    _finish_after_disagreement(group, None, [], in_flight)
+                    gave_up = e
+                    raise
                 closed = layout.place(index, flat.numel())
                 if closed is not None:
                     send(closed)
@@ -602,6 +645,10 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             agree_on([], 0, "the end of the update")
             while in_flight:
                 complete_oldest()
-        except WeightTransferError:
-            _drain(group, in_flight)
+        except WeightTransferError as e:
+            _finish_after_disagreement(group, e, [], in_flight)
+            raise
+        except BaseException as e:
+            if e is not gave_up:  # out of the protocol's order: the engines cannot be followed any more
+                group.broken = group.broken or f"{type(e).__name__} in the middle of an update: {e}"
             raise

@@ -11,7 +11,8 @@ complete. Here every rank works against one deadline:
                                                        every 20 ms), connect; read the group id; refuse a
                                                        group id or world size other than the init info's
     claim rank 0                                       claim rank r: a rank claimed before is refused
-    count in; the last rank in marks the group formed; every rank waits for that mark until the deadline
+    count in; the last rank in marks the group formed; every rank waits for that mark until the deadline;
+    a rank that gives up marks the group abandoned first, so no rank builds a group around a missing one
 
 and only then is the process group built, on a store prefix of the group id, so it finds every rank
 present. A rank that does not come in time makes every waiting rank raise
@@ -100,23 +101,33 @@ def join(
                     f"this init info says {world_size}"
                 )
         namespace = f"{STORE_PREFIX}/{token}"
+        formed = f"{namespace}/formed"  # "1" once every rank is in; "abandoned" once a rank gave up waiting
+        abandoned = (
+            f"weight transfer: group {token!r} at {where} was abandoned by a rank that gave up waiting; a new "
+            f"group needs a new trainer_init"
+        )
+        if store.check([formed]) and store.get(formed) != b"1":
+            raise WeightTransferError(abandoned)
         if store.add(f"{namespace}/rank/{rank}", 1) > 1:
             raise WeightTransferError(
                 f"weight transfer: rank {rank} of group {token!r} at {where} has joined already: a second engine "
                 f"with the same rank_offset + worker_rank, or one that came after the group formed; a new "
                 f"group needs a new trainer_init"
             )
-        if store.add(f"{namespace}/joined", 1) == world_size:
-            store.set(f"{namespace}/formed", "1")
+        if store.add(f"{namespace}/joined", 1) == world_size and store.compare_set(formed, "", "1") != b"1":
+            raise WeightTransferError(abandoned)
         try:
-            store.wait([f"{namespace}/formed"], _timedelta(deadline - time.monotonic()))
+            store.wait([formed], _timedelta(deadline - time.monotonic()))
         except dist.DistStoreError as e:
-            joined = store.add(f"{namespace}/joined", 0)
-            raise WeightTransferTimeoutError(
-                f"weight transfer: {joined} of {world_size} ranks joined group {token!r} at {where} in "
-                f"{time.monotonic() - started:.1f} s (timeout_seconds {timeout_seconds:g}); "
-                f"{'the engines' if rank == 0 else 'the other ranks'} did not come"
-            ) from e
+            if store.compare_set(formed, "", "abandoned") != b"1":  # no rank may form it later
+                joined = store.add(f"{namespace}/joined", 0)
+                raise WeightTransferTimeoutError(
+                    f"weight transfer: {joined} of {world_size} ranks joined group {token!r} at {where} in "
+                    f"{time.monotonic() - started:.1f} s (timeout_seconds {timeout_seconds:g}); "
+                    f"{'the engines' if rank == 0 else 'the other ranks'} did not come"
+                ) from e
+        if store.get(formed) != b"1":
+            raise WeightTransferError(abandoned)
     except WeightTransferError:
         raise
     except (RuntimeError, ValueError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors

@@ -6,14 +6,19 @@ would start a broadcast whose sizes differ between ranks, which gloo answers by 
 ("Received data size doesn't match expected size") and NCCL by reading or writing past a buffer. So before
 each bucket (a tensor, unpacked) every rank describes what it is about to send or receive:
 
-    header = [nbytes, tensors, digest, verify]          int64; the end of an update: nbytes = END (-1)
+    header = [nbytes, tensors, digest, settings]        int64; the end of an update: nbytes = END (-1);
+                                                        a side that gives up: nbytes = ABORT (-2)
     digest = crc32 of "name|dtype|shape;" over the bucket's tensors, in order
+    settings = verify + 2 x buckets in flight          (they fix where the checksums fall in the order)
 
 and one all-reduce (MAX over ``header`` and ``-header``) gives every rank the largest and the smallest
 header. Equal: all agree, and the payload is posted. Different: every rank knows it at once; the trainer
-broadcasts its bucket's tensor list (JSON) so the engines can name the first tensor that differs, and
-every rank raises :class:`WeightTransferError` without posting the payload. No collective ever runs with
-sizes that differ, and the group stays in step: the next update uses it as before.
+broadcasts its bucket's tensor list (JSON; or why it gave up: its iterator raised) so the engines can name
+the first tensor that differs, and every rank raises :class:`WeightTransferError` without posting the
+payload. A trainer whose iterator raises sends ABORT where its next header is due, so the engines raise at
+once (naming its error) instead of waiting out their timeout. (An engine whose update info does not parse
+raises ValueError before the update starts: nothing tells the trainer, whose send times out.) No
+collective ever runs with sizes that differ, and the group stays in step: the next update uses it as before.
 
 ``verify=True`` (update info and trainer args; vLLM has no such check) adds, after each bucket's bytes
 arrive and before they are loaded, a checksum of the bytes computed where they are (sender: the bucket it
@@ -35,7 +40,7 @@ import torch
 from layerwise.transfer.base import WeightTransferError
 
 END = -1  # header nbytes of the end of an update
-HEADER_FIELDS = 4  # nbytes, tensors, digest, verify
+ABORT = -2  # header nbytes of a side that gives up the update
 _MODULUS = (1 << 31) - 1  # checksum sums stay below 2^31: no int64 overflow on any device
 _WEIGHT_PERIOD = 65521  # position weights cycle with Adler's prime: 16-bit word x weight < 2^32
 _CHUNK_WORDS = _WEIGHT_PERIOD * 16  # 2 MiB of bucket per step; a multiple of the period: one weight vector
@@ -57,12 +62,19 @@ class Group(Protocol):
 Entry = tuple[str, str, list[int]]  # (name, dtype name, shape) of one tensor of a bucket
 
 
-def header(entries: Sequence[Entry], nbytes: int, verify: bool) -> list[int]:
-    """The header of a bucket of ``entries`` and ``nbytes`` bytes (``entries`` empty: the end of an update)."""
+def header(entries: Sequence[Entry], nbytes: int, verify: bool, slots: int) -> list[int]:
+    """The header of a bucket of ``entries`` and ``nbytes`` bytes (``entries`` empty: the end of an update),
+    sent with ``slots`` buckets in flight."""
+    settings = int(verify) + 2 * slots
     if not entries:
-        return [END, 0, 0, int(verify)]
+        return [END, 0, 0, settings]
     text = "".join(f"{name}|{dtype}|{','.join(map(str, shape))};" for name, dtype, shape in entries)
-    return [nbytes, len(entries), zlib.crc32(text.encode()), int(verify)]
+    return [nbytes, len(entries), zlib.crc32(text.encode()), settings]
+
+
+def abort_header() -> list[int]:
+    """The header of a side that gives up the update (it differs from every other header)."""
+    return [ABORT, 0, 0, 0]
 
 
 class Agreement:
@@ -91,18 +103,30 @@ def agree(group: Group, values: Sequence[int], key: str | None, what: str) -> tu
     return Agreement(group, values, key, what).result()
 
 
-def exchange_entries(group: Group, entries: Sequence[Entry] | None, key: str | None, what: str) -> list[Entry]:
-    """After a disagreement: the sender (``entries`` given) broadcasts its bucket's tensor list; every rank
-    returns it (two broadcasts: the length, then the JSON bytes)."""
-    payload = json.dumps([list(e) for e in entries or []]).encode() if entries is not None else b""
+def exchange_entries(
+    group: Group, entries: Sequence[Entry] | None, key: str | None, what: str, reason: str | None = None
+) -> tuple[list[Entry], str | None]:
+    """After a disagreement: the trainer (``entries`` given; with ``reason`` when it gives up) broadcasts its
+    bucket's tensor list; every rank returns (that list, the trainer's reason or None). Two broadcasts: the
+    length, then the JSON bytes."""
+    payload = b""
+    if entries is not None:
+        payload = json.dumps({"entries": [list(e) for e in entries], "reason": reason}).encode()
     length = torch.tensor([len(payload)], dtype=torch.int64, device=group.device)
-    group.broadcast_and_wait(length, 0, key, f"{what} (its tensor list's length)")
+    group.broadcast_and_wait(length, 0, key, f"{what} (the trainer's tensor list's length)")
     data = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
     if entries is not None:
         data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     if data.numel():
-        group.broadcast_and_wait(data, 0, key, f"{what} (its tensor list)")
-    return [(name, dtype, list(shape)) for name, dtype, shape in json.loads(bytes(data.cpu().tolist()) or b"[]")]
+        group.broadcast_and_wait(data, 0, key, f"{what} (the trainer's tensor list)")
+    sent = json.loads(bytes(data.cpu().tolist()) or b'{"entries": [], "reason": null}')
+    return [(name, dtype, list(shape)) for name, dtype, shape in sent["entries"]], sent["reason"]
+
+
+def trainer_view(ours: list[int], lo: list[int], hi: list[int]) -> list[int]:
+    """From the trainer's header and the group's smallest / largest: an engine's header (per position, the
+    value that differs from the trainer's; exact with one engine)."""
+    return [h if h != o else lo_ for o, lo_, h in zip(ours, lo, hi, strict=True)]
 
 
 def describe(entry: Entry) -> str:
@@ -114,7 +138,7 @@ def describe(entry: Entry) -> str:
 
 
 def mismatch_error(
-    ours: Sequence[Entry], theirs: Sequence[Entry], what: str, later: Sequence[Entry]
+    ours: Sequence[Entry], theirs: Sequence[Entry], what: str, later: Sequence[Entry], reason: str | None = None
 ) -> WeightTransferError:
     """The engine's error for a bucket whose header differs from the trainer's.
 
@@ -122,11 +146,17 @@ def mismatch_error(
         ours: the bucket's tensors as the update info declares them ([] = the update info has ended).
         theirs: the tensors the trainer sends in its bucket ([] = its update has ended).
         what: the bucket's label; later: the update info's tensors after this bucket (for "missing").
+        reason: the trainer gave up the update (its iterator raised): why.
     """
     after = (
         "nothing of this bucket was received and none of it loaded; the trainer raised too, and the group stays "
         "in step for the next update"
     )
+    if reason is not None:
+        return WeightTransferError(
+            f"weight transfer, {what}: the trainer gave up the update ({reason}); {after}",
+            key=ours[0][0] if ours else None,
+        )
     expected = [*ours, *later]  # compared past this bucket: a tensor missing shifts the trainer's bucket
     for i in range(max(len(ours), len(theirs))):
         mine = expected[i] if i < len(expected) else None
@@ -149,8 +179,9 @@ def mismatch_error(
             key = mine[0]
         return WeightTransferError(f"weight transfer, {what}: {message}; {after}", key=key)
     return WeightTransferError(
-        f"weight transfer, {what}: the trainer and the update info disagree on verify= or on how the tensors "
-        f"are packed (packed, packed_buffer_size_bytes must match); {after}",
+        f"weight transfer, {what}: the trainer sends these tensors, but its settings differ from this update "
+        f"info's (verify, packed, packed_buffer_size_bytes and packed_num_buffers must match), or another "
+        f"engine rank's update info differs; {after}",
         key=ours[0][0] if ours else None,
     )
 

@@ -120,3 +120,31 @@ def test_a_matching_group_id_forms_the_group():
         group.shutdown()
     with pytest.raises(ValueError, match="group_id must be"):
         NCCLWeightTransferEngine.trainer_init(dict(info, group_id="a/b"), device="cpu")
+
+
+def test_a_rank_that_gave_up_abandons_the_group_for_everyone():
+    """world_size 3: rank 1 gives up before rank 2 comes; rank 2 and the trainer must not form a group
+    around the missing rank (which would cost them another timeout), and a retry is told why."""
+    info = nccl_init_info(free_port(), 4.0)
+    info["world_size"] = 3
+    holder = {}
+
+    def trainer():
+        try:
+            NCCLWeightTransferEngine.trainer_init(info, "cpu")
+        except WeightTransferError as e:
+            holder["trainer"] = (e, time.monotonic())
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(WeightTransferTimeoutError):
+        _engine_join(dict(info, timeout_seconds=1.0))  # rank 1 gives up after 1 s
+    late = WeightTransferEngineFactory.create_engine("nccl", device="cpu", worker_rank=1)  # rank 2
+    with pytest.raises(WeightTransferError, match="abandoned"):
+        late.init_transfer_engine(info)
+    with pytest.raises(WeightTransferError, match="abandoned"):
+        _engine_join(info)  # rank 1 again
+    thread.join(10)
+    error, when = holder["trainer"]
+    assert "abandoned" in str(error) and when - started < 2.0, (error, when - started)

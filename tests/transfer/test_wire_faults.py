@@ -59,10 +59,11 @@ def _child(ckpt_a: str, ckpt_b: str, port: int, results) -> None:
     good = checkpoint_tensors(ckpt_b)
     expected = layerwise.load_model(ckpt_b, quantization="fp8")
 
-    def run(sent, packed, atomic, verify=False, corrupt=None):
+    def run(sent, packed, atomic, verify=False, corrupt=None, info_changes=None):
         args = {"packed": packed, "packed_buffer_size_bytes": BUCKET_BYTES, "verify": verify, "group": group}
         update_info = dict(tensor_metadata(good), is_checkpoint_format=True, **args)
         del update_info["group"]
+        update_info.update(info_changes or {})
         trainer_error = []
 
         def trainer():
@@ -87,6 +88,7 @@ def _child(ckpt_a: str, ckpt_b: str, port: int, results) -> None:
         thread.join(30)
         outcome = {
             "error": None if error is None else type(error).__name__,
+            "cause": type(error.__cause__).__name__ if error is not None and error.__cause__ else None,
             "message": str(error),
             "key": getattr(error, "key", None),
             "trainer_error": type(trainer_error[0]).__name__ if trainer_error else None,
@@ -97,6 +99,9 @@ def _child(ckpt_a: str, ckpt_b: str, port: int, results) -> None:
             "finite": bool(torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()),
         }
         # the next update, on the same group, with the right tensors: equals a fresh load
+        args["verify"] = update_info["verify"] = False
+        update_info = dict(tensor_metadata(good), is_checkpoint_format=True, packed=packed)
+        update_info["packed_buffer_size_bytes"] = BUCKET_BYTES
         thread = threading.Thread(target=lambda: NCCLWeightTransferEngine.trainer_send_weights(iter(good), args))
         thread.start()
         update_weights(model, engine, {"update_info": update_info})
@@ -118,6 +123,18 @@ def _child(ckpt_a: str, ckpt_b: str, port: int, results) -> None:
         return real_broadcast(tensor, src, key)
 
     results.put(("clean, verify", True, True, run(good, True, atomic=True, verify=True)))
+    for packed in (False, True):
+        outcome = run(_cases(good)["extra tensor at the end"], packed, atomic=True, verify=True)
+        results.put(("extra tensor at the end, verify", packed, True, outcome))
+    slots = {"packed_num_buffers": 3}
+    results.put(("other buffers in flight, verify", True, True, run(good, True, True, True, info_changes=slots)))
+
+    def failing():  # a trainer whose iterator raises after a few tensors (a gather that fails, say)
+        yield from good[:5]
+        raise RuntimeError("gather of model.layers.0.mlp failed")
+
+    for packed in (False, True):
+        results.put(("the trainer's iterator raises", packed, True, run(failing(), packed, atomic=True)))
     results.put(
         ("corrupted in transit, verify", True, True, run(good, True, atomic=True, verify=True, corrupt=corrupting))
     )
@@ -203,4 +220,26 @@ def test_verify_catches_bytes_changed_in_transit(outcomes, packed):
     got = _get(outcomes, "corrupted in transit, verify", packed)
     assert got["error"] == "WeightTransferError" and "checksum" in got["message"], got
     assert got["trainer_error"] == "WeightTransferError" and "checksum" in got["trainer_message"], got
+    assert got["unchanged"] and got["next_update_equal"], got
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_an_extra_tensor_at_the_end_with_verify_is_named_in_step(outcomes, packed):
+    got = _get(outcomes, "extra tensor at the end, verify", packed)
+    assert got["error"] == "WeightTransferError" and got["key"] == "model.layers.1.mlp.extra.weight", got
+    assert got["trainer_error"] == "WeightTransferError" and got["unchanged"] and got["next_update_equal"], got
+
+
+def test_other_buffers_in_flight_with_verify_is_a_named_error(outcomes):
+    got = _get(outcomes, "other buffers in flight, verify", True)  # gloo aborted the process before
+    assert got["error"] == "WeightTransferError" and "packed_num_buffers" in got["message"], got
+    assert "packed_num_buffers" in got["trainer_message"] and got["unchanged"] and got["next_update_equal"], got
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_a_trainer_whose_iterator_raises_tells_the_engine(outcomes, packed):
+    got = _get(outcomes, "the trainer's iterator raises", packed)
+    assert got["error"] == "WeightTransferError" and "gave up" in got["message"], got
+    assert "RuntimeError: gather of model.layers.0.mlp failed" in got["message"], got
+    assert got["trainer_error"] == "RuntimeError" and not got["trainer_alive"], got
     assert got["unchanged"] and got["next_update_equal"], got
