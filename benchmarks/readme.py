@@ -463,6 +463,21 @@ Each update case was checked bit for bit against a fresh `load_model` of the tra
             f"  ({packed['memory_bound_bytes'] / MIB:,.1f} and {unpacked['memory_bound_bytes'] / MIB:,.1f} MiB; "
             f"unpacked, a bucket is the largest tensor): {verdict}."
         )
+    checked = [r for r in (unpacked, packed) if r is not None and "check_cost" in r]
+    if checked:
+        costs = ", ".join(f"{r['check_cost']:+.1%} {r['case'].removeprefix('update: ')}" for r in checked)
+        met = all(r["meets_check_target"] for r in checked)
+        notes.append(
+            f"* The header check before each bucket (issue 32): the update with it / without it - 1 = {costs} "
+            f"(target <= {wt['target_check_cost']:.0%}: {_met(met)}); header checks s = the engine's waits for\n"
+            f"  an agreement, waiting for the trainer to reach the bucket included."
+        )
+    verified = rows.get("update: packed, verify")
+    if verified is not None:
+        notes.append(
+            f"* `verify=True` (a checksum of every bucket, CRC-32 here): {verified['over_unverified']:.2f}x the "
+            f"plain packed update ({verified['verify_seconds']:.2f} s of checksums and their all-reduces)."
+        )
     return "\n\n".join([text, "\n".join(notes)]) if notes else text
 
 

@@ -10,7 +10,7 @@ import torch
 import layerwise
 from layerwise.benchmarks import weight_transfer
 
-CASES = ["floor: unpacked", "floor: packed", "update: unpacked", "update: packed"]
+CASES = ["floor: unpacked", "floor: packed", "update: unpacked", "update: packed", "update: packed, verify"]
 
 
 @pytest.mark.slow
@@ -40,6 +40,15 @@ def test_small_run_writes_json_with_every_case_verified(tmp_path):
         assert r["final_extra_bytes"] <= 4096, r["final_extra_bytes"]
         assert r["memory_bound_bytes"] > 0
         assert isinstance(r["meets_time_target"], bool) and isinstance(r["meets_memory_target"], bool)
+        assert 0 <= r["check_seconds"] <= r["seconds"]
+    for case in CASES[2:4]:  # the header check's cost: the same update with the agreement off in both processes
+        r = rows[case]
+        assert r["unchecked_seconds"] > 0 and r["check_cost"] == pytest.approx(
+            r["seconds"] / r["unchecked_seconds"] - 1
+        )
+        assert isinstance(r["meets_check_target"], bool)
+    verified = rows["update: packed, verify"]
+    assert verified["verify_seconds"] > 0 and verified["over_unverified"] > 0 and "check_cost" not in verified
 
 
 def test_default_bucket_fills_eight_buckets_but_holds_the_largest_tensor():
