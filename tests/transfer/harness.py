@@ -146,6 +146,23 @@ def connect_nccl(trainer: Trainer, timeout_seconds: float, trainer_device: str =
     return engine
 
 
+def group_in_threads(info: dict):
+    """(trainer group, engine): the trainer joins as rank 0 in a thread of this process, the engine as rank 1
+    (gloo); both within the init info's timeout."""
+    import threading
+
+    from layerwise.transfer import WeightTransferEngineFactory
+    from layerwise.transfer.nccl import NCCLWeightTransferEngine
+
+    holder = {}
+    thread = threading.Thread(target=lambda: holder.update(group=NCCLWeightTransferEngine.trainer_init(info, "cpu")))
+    thread.start()
+    engine = WeightTransferEngineFactory.create_engine("nccl", device="cpu")
+    engine.init_transfer_engine(info)
+    thread.join(info.get("timeout_seconds", WAIT_SECONDS))
+    return holder["group"], engine
+
+
 def share(tensors):
     """Own copies of the (name, tensor) pairs (putting a tensor in a queue moves it to shared memory)."""
     return [(name, t.detach().clone()) for name, t in tensors]

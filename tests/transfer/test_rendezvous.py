@@ -15,7 +15,7 @@ import torch
 
 from layerwise.transfer import WeightTransferEngineFactory, WeightTransferError, WeightTransferTimeoutError
 from layerwise.transfer.nccl import NCCLWeightTransferEngine
-from tests.transfer.harness import free_port, nccl_init_info
+from tests.transfer.harness import free_port, group_in_threads, nccl_init_info
 
 
 def _engine_join(info: dict) -> float:
@@ -49,17 +49,6 @@ def test_a_trainer_with_no_engine_gives_up_within_its_timeout():
     assert time.monotonic() - started <= 2.5
 
 
-def _formed_group(info: dict):
-    """(trainer group, engine) joined as ranks 0 and 1."""
-    holder = {}
-    thread = threading.Thread(target=lambda: holder.update(group=NCCLWeightTransferEngine.trainer_init(info, "cpu")))
-    thread.start()
-    engine = WeightTransferEngineFactory.create_engine("nccl", device="cpu")
-    engine.init_transfer_engine(info)
-    thread.join(10)
-    return holder["group"], engine
-
-
 def _send_one(group, engine) -> torch.Tensor:
     """One tensor through the group: proves it still works."""
     from layerwise.transfer import tensor_metadata
@@ -77,7 +66,7 @@ def _send_one(group, engine) -> torch.Tensor:
 
 def test_a_second_engine_on_a_formed_group_is_refused_at_once():
     info = nccl_init_info(free_port(), 4.0)
-    group, engine = _formed_group(info)
+    group, engine = group_in_threads(info)
     try:
         started = time.monotonic()
         with pytest.raises(WeightTransferError, match="rank 1 of group .* has joined already") as caught:
@@ -112,7 +101,7 @@ def test_a_group_id_or_world_size_other_than_the_trainers_is_refused():
 
 def test_a_matching_group_id_forms_the_group():
     info = dict(nccl_init_info(free_port(), 4.0), group_id="round-7")
-    group, engine = _formed_group(info)
+    group, engine = group_in_threads(info)
     try:
         assert torch.equal(_send_one(group, engine), torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
     finally:

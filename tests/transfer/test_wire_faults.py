@@ -43,19 +43,13 @@ def _child(ckpt_a: str, ckpt_b: str, port: int, results) -> None:
     import layerwise
     from layerwise.api import model_digest
     from layerwise.errors import ReloadError
-    from layerwise.transfer import WeightTransferEngineFactory, tensor_metadata, update_weights
+    from layerwise.transfer import tensor_metadata, update_weights
     from layerwise.transfer.nccl import NCCLWeightTransferEngine
-    from tests.transfer.harness import assert_same_tensors, checkpoint_tensors
+    from tests.transfer.harness import assert_same_tensors, checkpoint_tensors, group_in_threads
 
     info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
     info["timeout_seconds"] = 30.0
-    holder = {}
-    t = threading.Thread(target=lambda: holder.update(group=NCCLWeightTransferEngine.trainer_init(info, "cpu")))
-    t.start()
-    engine = WeightTransferEngineFactory.create_engine("nccl", device="cpu")
-    engine.init_transfer_engine(info)
-    t.join(30)
-    group = holder["group"]
+    group, engine = group_in_threads(info)
     good = checkpoint_tensors(ckpt_b)
     expected = layerwise.load_model(ckpt_b, quantization="fp8")
 
