@@ -198,16 +198,9 @@ class WeightTransferGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int, key: str | None) -> Any:
         """Start broadcasting ``tensor`` (uint8, on ``device``) from ``src``; returns the work to wait on."""
-        self._check_usable(key)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        try:
-            if self.device.type == "cuda":
-                with torch.cuda.device(self.device):
-                    return self.backend.broadcast([tensor], opts)
-            return self.backend.broadcast([tensor], opts)
-        except RuntimeError as e:
-            raise self._failure(e, key, "starting a broadcast") from e
+        return self._start(lambda: self.backend.broadcast([tensor], opts), key, "starting a broadcast")
 
     def wait(self, work: Any, key: str | None, what: str) -> None:
         """Wait for ``work`` at most ``timeout_seconds``.
@@ -228,14 +221,18 @@ class WeightTransferGroup:
     def start_all_reduce_max(self, tensor: torch.Tensor, key: str | None, what: str) -> Any:
         """Start an in-place element-wise max of ``tensor`` (on ``device``) over the group; returns the work
         to pass to :meth:`wait`."""
-        self._check_usable(key)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
+        return self._start(lambda: self.backend.allreduce([tensor], opts), key, what)
+
+    def _start(self, collective: Any, key: str | None, what: str) -> Any:
+        """Run ``collective()`` (which starts one on ``backend``) on this group's device; returns its work."""
+        self._check_usable(key)
         try:
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
-                    return self.backend.allreduce([tensor], opts)
-            return self.backend.allreduce([tensor], opts)
+                    return collective()
+            return collective()
         except RuntimeError as e:
             raise self._failure(e, key, what) from e
 
