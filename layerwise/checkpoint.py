@@ -1,27 +1,43 @@
 """Streaming reader for Hugging Face safetensors checkpoints.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
-``model.safetensors.index.json`` (``weight_map``: tensor key -> shard file). Tensors are read one at
-a time through ``safetensors.safe_open`` (memory-mapped: a tensor is a view of the file's pages, so
-no shard is ever read into memory whole), in decoder-layer order whatever the shard order.
+``model.safetensors.index.json`` (``weight_map``: tensor key -> shard file). Tensors are streamed one at a
+time, in decoder-layer order whatever the shard order, so no shard is ever read into memory whole.
 
-Under tensor parallelism a rank needs only a slice of most tensors: :meth:`Checkpoint.iter_lazy` yields
-:class:`LazyTensor` handles that the weight loaders narrow to their rows or columns before reading them
-(``safe_open(...).get_slice(key)[rows, cols]``); ``Checkpoint.bytes_read`` counts what was read.
+Two ways to read a tensor:
+
+* :meth:`Checkpoint.iter_lazy` (what load and reload stream) yields :class:`LazyTensor` handles. A weight
+  loader narrows one to its rows or columns (tensor parallelism) before reading it; the read is an
+  ``os.preadv`` from the shard's open descriptor into fresh host memory, at the offsets of the
+  safetensors header (8-byte little-endian header length, JSON header, ``data_offsets`` from the end of the
+  header), of only the slice's bytes (``Checkpoint.bytes_read`` counts them). No memory-mapped page is
+  touched, so a shard truncated meanwhile is an error, never a SIGBUS.
+* :meth:`Checkpoint.get_tensor` and iterating the checkpoint give views of the memory-mapped file
+  (``safetensors.safe_open``; nothing is copied), for callers that know the files stay as they are.
+
+Every shard's size, mtime and inode are recorded when the checkpoint opens it (:class:`FileIdentity`) and
+compared before every tensor is read and once more when a stream ends: a shard truncated, rewritten or
+replaced meanwhile raises :class:`~layerwise.errors.CheckpointChangedError` naming it and what changed (a
+reload wraps it in a ReloadError; Limitations 13 in ``layerwise/reload/__init__.py`` says what is not seen).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
-from layerwise.errors import CheckpointError
+from layerwise.errors import CheckpointChangedError, CheckpointError
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -160,6 +176,159 @@ class TensorInfo:
 
 
 _CPU = torch.device("cpu")
+_ADVICE = (
+    "a checkpoint must stay as it is while it is read: write a new one to a new directory (or replace its files "
+    "between reloads, never during one), then reload"
+)
+
+
+def _utc(ns: int) -> str:
+    return f"{datetime.fromtimestamp(ns // 10**9, timezone.utc):%Y-%m-%dT%H:%M:%S}.{ns % 10**9:09d}Z"
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a shard file was when the checkpoint opened it: its size, ``st_mtime_ns`` and inode (``st_dev``,
+    ``st_ino``). A file truncated, rewritten in place or replaced (another inode at its path, as ``os.replace``
+    leaves it) differs in one of them; one that keeps its size and inode and is rewritten within the
+    filesystem's mtime granularity does not (Limitations 13 in ``layerwise/reload/__init__.py``)."""
+
+    size: int
+    mtime_ns: int
+    dev: int
+    ino: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+
+    def changes(self, now: FileIdentity | None) -> list[str]:
+        """What differs in ``now`` (None: no file at the path any more), in words; [] when nothing does."""
+        if now is None:
+            return ["deleted (no file at its path)"]
+        out = []
+        if (now.dev, now.ino) != (self.dev, self.ino):
+            out.append(f"replaced by another file (inode {self.dev}:{self.ino} -> {now.dev}:{now.ino})")
+        if now.size != self.size:
+            out.append(f"size {self.size} -> {now.size} bytes")
+        if now.mtime_ns != self.mtime_ns:
+            out.append(f"mtime {_utc(self.mtime_ns)} -> {_utc(now.mtime_ns)}")
+        return out
+
+
+def _runs(shape: tuple, box: tuple[tuple[int, int], ...]) -> tuple[list[int], int]:
+    """The box of a row-major tensor of ``shape`` as runs of elements contiguous in the file, in the box's own
+    row-major order: (each run's first element, elements per run). The whole tensor, or a box narrowed in its
+    first dimension only (column-parallel rows), is one run; a box narrowed in dimension d is one run per index
+    of the dimensions before d (row-parallel columns of a [rows, cols] weight: one run per row)."""
+    d = len(shape)
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):
+        d -= 1
+    if d == 0:
+        return [0], math.prod(shape)
+    d -= 1  # the last dimension the box narrows; every one after it is whole
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    first = box[d][0] * strides[d]
+    outer = itertools.product(*(range(start, stop) for start, stop in box[:d]))
+    starts = [first + sum(i * s for i, s in zip(index, strides, strict=False)) for index in outer]
+    return starts, (box[d][1] - box[d][0]) * strides[d]
+
+
+class _ShardFile:
+    """One safetensors file of a checkpoint, opened once: a descriptor, the :class:`FileIdentity` it had then,
+    each tensor's first byte in the file (from its header), and safetensors' memory-mapped handle for views.
+
+    :meth:`close` closes the descriptor and the handle; a later read opens the path again and is compared with
+    the identity recorded the first time, so a file replaced in between is still refused."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd: int | None = None
+        self._closer = None
+        self._handle = None
+        fd = self.fd()
+        self.identity = FileIdentity.of(os.fstat(fd))
+        self.handle()  # safetensors checks the header against the file size; its errors say what is wrong
+        header_len = int.from_bytes(os.pread(fd, 8, 0), "little")
+        data_start = 8 + header_len
+        header = json.loads(os.pread(fd, header_len, 8))
+        self.offsets = {  # key -> first byte of its data in the file
+            key: data_start + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"
+        }
+        self.check()  # the file safetensors opened is the one described here
+
+    def fd(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self._closer = weakref.finalize(self, os.close, self._fd)
+        return self._fd
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = safe_open(self.path, framework="pt", device="cpu")
+        return self._handle
+
+    def close(self) -> None:
+        if self._closer is not None:
+            self._closer()
+        self._fd = self._closer = self._handle = None
+
+    def check(self, key: str | None = None, *, path: bool = True) -> None:
+        """Raise CheckpointChangedError when the file differs from its :attr:`identity`: the open descriptor's
+        size or mtime (truncated, or written in place), or with ``path`` what its path now names (replaced,
+        deleted)."""
+        try:
+            changes = self.identity.changes(FileIdentity.of(os.fstat(self.fd())))
+            at_path = FileIdentity.of(os.stat(self.path)) if path else self.identity
+        except FileNotFoundError:  # deleted (a descriptor closed by close() cannot open it again)
+            changes, at_path = [], None
+        if at_path is None or (at_path.dev, at_path.ino) != (self.identity.dev, self.identity.ino):
+            changes = self.identity.changes(at_path)  # replaced: what the path names now
+        if changes:
+            raise CheckpointChangedError(
+                f"checkpoint file changed while it was being read: {', '.join(changes)}; {_ADVICE}",
+                key=key,
+                file=self.path,
+            )
+
+    def read(self, key: str, shape: tuple, dtype: torch.dtype, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The box of tensor ``key`` read with ``os.preadv`` into fresh host memory (a numpy allocation, made
+        outside torch's dispatcher, like a memory-mapped view, so ``DeviceMemoryTracker`` does not count it), the file
+        checked before and after: the bytes returned were all read from the file as it was when opened (to its
+        mtime granularity)."""
+        self.check(key)
+        out_shape = tuple(stop - start for start, stop in box)
+        nbytes = math.prod(out_shape) * dtype.itemsize
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        if nbytes:
+            begin = self.offsets[key]
+            starts, run = _runs(shape, box)
+            run_bytes = run * dtype.itemsize
+            view = memoryview(buffer)
+            for i, start in enumerate(starts):
+                self._read_exactly(view[i * run_bytes : (i + 1) * run_bytes], begin + start * dtype.itemsize, key)
+            self.check(key, path=False)  # written while it was read: refused before anyone uses the bytes
+        return torch.from_numpy(buffer).view(dtype).view(out_shape)
+
+    def _read_exactly(self, into: memoryview, offset: int, key: str) -> None:
+        done = 0
+        while done < len(into):
+            try:
+                n = os.preadv(self.fd(), [into[done:]], offset + done)
+            except OSError as e:
+                raise CheckpointError(
+                    f"cannot read {len(into)} bytes at offset {offset}: {e}", key=key, file=self.path
+                ) from e
+            if n == 0:
+                size = os.fstat(self.fd()).st_size
+                raise CheckpointChangedError(
+                    f"checkpoint file changed while it was being read: a short read ({done} of {len(into)} bytes "
+                    f"at offset {offset}), the file is now {size} bytes where it was {self.identity.size} "
+                    f"(truncated); {_ADVICE}",
+                    key=key,
+                    file=self.path,
+                )
+            done += n
 
 
 class LazyTensor:
@@ -167,9 +336,10 @@ class LazyTensor:
 
     What the load path needs of a tensor before reading it: ``shape``, ``dtype``, ``device`` (cpu),
     ``numel()``, ``element_size()``, ``to("meta")`` (for counting a loader's writes), and
-    ``narrow(dim, start, length)``, which returns a smaller LazyTensor. ``materialize()`` reads the box:
-    the whole tensor as a memory-mapped view, or a slice through ``get_slice(key)[...]`` (a copy of only
-    those bytes), and adds its bytes to ``checkpoint.bytes_read``.
+    ``narrow(dim, start, length)``, which returns a smaller LazyTensor. ``materialize()`` reads the box (only
+    its bytes: one ``os.preadv`` for the whole tensor or a range of rows, one per row for a range of columns)
+    into fresh host memory, checking before and after that the file did not change since the checkpoint opened
+    it, and adds its bytes to ``checkpoint.bytes_read``.
     """
 
     def __init__(self, checkpoint: Checkpoint, key: str, box: tuple[tuple[int, int], ...] | None = None):
@@ -202,14 +372,14 @@ class LazyTensor:
         return LazyTensor(self.checkpoint, self.key, tuple(box))
 
     def materialize(self) -> torch.Tensor:
-        """Read the box from the file (see the class docstring): a CPU tensor of :attr:`shape` in the file's dtype
-        (a memory-mapped view for the whole tensor, a copy for a slice). Raises what safetensors raises for an
-        unreadable file (OSError, SafetensorError)."""
-        handle = self.checkpoint._open(self.checkpoint.tensors[self.key].file)
-        if all((start, stop) == (0, n) for (start, stop), n in zip(self.box, self.full_shape, strict=True)):
-            tensor = handle.get_tensor(self.key)
-        else:
-            tensor = handle.get_slice(self.key)[tuple(slice(start, stop) for start, stop in self.box)]
+        """Read the box from the file (see the class docstring): a CPU tensor of :attr:`shape` in the file's dtype.
+
+        Raises:
+            CheckpointChangedError: the file was truncated, rewritten or replaced since the checkpoint opened it
+                (also a read that comes back short); names the file and what changed.
+            CheckpointError: the read failed (an OSError of the file system, kept as ``__cause__``).
+        """
+        tensor = self.checkpoint._read(self.key, self.box)
         self.checkpoint.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -257,7 +427,7 @@ class Checkpoint:
             raise CheckpointError(f"config.json is not valid JSON: {e}", file=self.config_path) from e
         if not isinstance(self.config, dict):
             raise CheckpointError("config.json does not hold a JSON object", file=self.config_path)
-        self._handles: dict[str, object] = {}
+        self._shards: dict[str, _ShardFile] = {}  # every file opened (all of them, for their headers)
         self.bytes_read = 0  # payload bytes materialized through LazyTensor (slices: only their bytes)
         self.tensors: dict[str, TensorInfo] = self._read_headers(self._weight_map())
         self.keys: list[str] = sorted(self.tensors, key=lambda k: (layer_group(k), k))
@@ -284,23 +454,37 @@ class Checkpoint:
                 f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}; {other_weight_files(self.path) or 'no weights'}",
                 file=self.path,
             )
-        return {key: SINGLE_FILE for key in self._open(SINGLE_FILE).keys()}
+        return {key: SINGLE_FILE for key in self._shard(SINGLE_FILE).handle().keys()}
 
-    def _open(self, shard: str):
-        handle = self._handles.get(shard)
-        if handle is None:
-            full = os.path.join(self.path, shard)
+    def _shard(self, shard: str) -> _ShardFile:
+        """The open file of a shard named in the index; opened (and its :class:`FileIdentity` recorded) once."""
+        file = self._shards.get(shard)
+        if file is None:
+            full = self.file_of_shard(shard)
             try:
-                handle = safe_open(full, framework="pt", device="cpu")
+                file = _ShardFile(full)
+            except CheckpointError:
+                raise
             except Exception as e:  # safetensors raises its own error types
                 raise CheckpointError(f"cannot open safetensors file: {_diagnose(full) or e}", file=full) from e
-            self._handles[shard] = handle
-        return handle
+            self._shards[shard] = file
+        return file
+
+    def _read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        info = self.tensors[key]
+        return self._shard(info.file).read(key, info.shape, _TORCH_DTYPES[info.dtype], box)
+
+    def check_unchanged(self) -> None:
+        """Raise CheckpointChangedError (naming the file and what changed) when a file of the checkpoint was
+        truncated, rewritten or replaced since it was opened. :meth:`iter_lazy` and iteration call it after
+        their last tensor, so that a file changed after its last read is refused too."""
+        for file in self._shards.values():
+            file.check()
 
     def _read_headers(self, weight_map: dict[str, str]) -> dict[str, TensorInfo]:
         infos = {}
         for key, shard in weight_map.items():
-            handle = self._open(shard)
+            handle = self._shard(shard).handle()
             try:
                 sl = handle.get_slice(key)
             except Exception as e:
@@ -343,21 +527,32 @@ class Checkpoint:
         return out
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        """The tensor ``key`` as a CPU view of the memory-mapped file, in the file's dtype (nothing is copied).
-        Raises KeyError for a key the checkpoint does not hold (:attr:`keys` lists them)."""
-        return self._open(self.tensors[key].file).get_tensor(key)
+        """The tensor ``key`` as a CPU view of the memory-mapped file, in the file's dtype (nothing is copied),
+        once the file is checked unchanged since it was opened. The view's pages are read when it is used: a file
+        truncated while a view is alive kills the process with SIGBUS when that view is read; :meth:`iter_lazy`
+        reads without a mapping. Raises KeyError for a key the checkpoint does not hold (:attr:`keys` lists
+        them), CheckpointChangedError for a file that changed."""
+        file = self._shard(self.tensors[key].file)
+        file.check(key)
+        return file.handle().get_tensor(key)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (key, tensor) in decoder-layer order, one tensor at a time."""
+        """Yield (key, tensor) in decoder-layer order, one tensor at a time (views: see :meth:`get_tensor`);
+        after the last, check every file once more (:meth:`check_unchanged`)."""
         for key in self.keys:
             yield key, self.get_tensor(key)
+        self.check_unchanged()
 
     def iter_lazy(self) -> Iterator[tuple[str, LazyTensor]]:
         """Yield (key, :class:`LazyTensor`) in decoder-layer order; nothing is read until a loader
-        materializes (a slice of) the tensor."""
+        materializes (a slice of) the tensor. After the last, every file is checked once more
+        (:meth:`check_unchanged`): a file changed after its last read ends the stream with an error too."""
         for key in self.keys:
             yield key, LazyTensor(self, key)
+        self.check_unchanged()
 
     def close(self) -> None:
-        """Drop the open file handles (their mmaps close when the last tensor view is freed)."""
-        self._handles.clear()
+        """Close the files' descriptors and safetensors handles (their mmaps close when the last view is freed).
+        A later read opens a file again and still compares it with what it was the first time."""
+        for file in self._shards.values():
+            file.close()

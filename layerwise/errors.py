@@ -36,6 +36,15 @@ class CheckpointError(LayerwiseError):
     """The checkpoint directory is unusable: no config.json, a listed shard is absent, bad index."""
 
 
+class CheckpointChangedError(CheckpointError):
+    """A checkpoint file changed while it was being read: truncated, rewritten in place or replaced (another
+    file at its path) since the checkpoint opened it, as its size, mtime or inode tell, or a read came back
+    short. The message says what changed (``size 1000 -> 512 bytes``, ...); ``file`` names it, ``key`` the
+    tensor being read (None for the check at the end of a stream). Raised before the tensor read is used, so
+    none read while its file changed reaches the model; a reload wraps it in a ReloadError (its ``cause``),
+    Limitations 13 in ``layerwise/reload/__init__.py``."""
+
+
 class ConfigError(CheckpointError, ValueError):
     """config.json lacks a required field or holds a value the model cannot take (an unknown rope_type, a
     sliding_window that is not a positive integer, layer_types of the wrong length). Raised while the config

@@ -66,8 +66,8 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    (``accepts_weight_pieces``: FP8 dense and MoE, when the pieces are whole rows for per-channel and
    per-block scales, a 128-row block shared by two pieces taking its scale from both; torchao per-row
    float8 on CPU, quant/torchao.py Limitations 5) quantizes the
-   loaded tensors themselves, a memory-mapped checkpoint tensor or the trainer's stream tensor,
-   straight into its FP8 tensor (a non-atomic reload: the live one). The weight stays on meta
+   loaded tensors themselves, a checkpoint tensor as read into host memory (13) or the trainer's stream
+   tensor, straight into its FP8 tensor (a non-atomic reload: the live one). The weight stays on meta
    meanwhile. Loads that do not qualify are staged and replayed as before.
 11. On a non-atomic reload, a module whose kernel tensors are its checkpoint-format parameters (no
    quant method, or ``checkpoint_format``: BF16 linears, embeddings, norms) has its loads replayed
@@ -101,6 +101,30 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    the host (``borrow_device_tensors=False``), a copy that waits for the device. Unit-wise modules (9) defer
    theirs too, a flag per processing call (one expert, or a module's queued experts at once), and are named
    once however many of their experts held a NaN.
+13. A checkpoint directory may change while it is read (a trainer writing its next checkpoint into it). Each
+   shard's size, ``st_mtime_ns`` and inode (``st_dev``, ``st_ino``) are recorded when the ``Checkpoint`` opens
+   it (``checkpoint.FileIdentity``) and compared (``fstat`` of the open descriptor, ``stat`` of the path)
+   before and after every tensor is read, and once more after the stream's last tensor, before finalize
+   commits. A shard truncated, rewritten in place, replaced (``os.replace``: another inode at its path) or
+   deleted is a ``CheckpointChangedError`` naming the file and what changed (``size a -> b bytes``, ``mtime``,
+   ``replaced by another file``), which a reload raises as a ReloadError through the abort of (4): with
+   ``atomic=True`` nothing changed; otherwise ``updated_modules`` lists the modules written, each from the
+   file as it was when opened (a tensor read while its file changed never reaches the model). A first load
+   raises the CheckpointChangedError itself (the model stays on meta, 4). A reload reads each tensor (only a
+   slice's bytes under tensor parallelism) with ``os.preadv`` at the header's offsets into fresh host memory,
+   never through a memory map, so a shard cut short is that error (a short read too), not SIGBUS. The cost:
+   a copy of every byte into host memory where a mapping let the loaders read the page cache in place (10's
+   pieces included), and host memory for the tensors read at once, the largest one at least (on CPU anonymous
+   memory, which ``DeviceMemoryTracker`` does not count, as it did not count mapped pages; RssAnon does).
+   ``Checkpoint.get_tensor`` and iterating a ``Checkpoint`` (the streams callers build, and a kernel-format
+   reload from a directory, ``is_checkpoint_format=False``) give views of the memory map: checked the same way
+   before each tensor, but a shard truncated while a view is used still kills the process with SIGBUS, and
+   one rewritten in place while a view is used mixes. Not detected: a writer that keeps a file's size and
+   inode and rewrites it within one tick of the file system's mtime clock (milliseconds on Linux, seconds on
+   FAT and some network file systems), or sets the mtime back (``os.utime``); that needs a content check, a
+   hash of every shard (a second pass over its bytes). A unit still queued at finalize (9, a
+   partial reload) is read after the stream's last check: its own read is checked, a change after it is not
+   seen (nothing is mixed: every value is from the files as they were opened).
 """
 
 from layerwise.reload.buffering import online_process_loader
