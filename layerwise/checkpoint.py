@@ -8,10 +8,11 @@ Two ways to read a tensor:
 
 * :meth:`Checkpoint.iter_lazy` (what load and reload stream) yields :class:`LazyTensor` handles. A weight
   loader narrows one to its rows or columns (tensor parallelism) before reading it; the read is an
-  ``os.preadv`` from the shard's open descriptor into fresh host memory, at the offsets of the
+  ``os.preadv`` from the shard's open descriptor into host memory (reused buffers), at the offsets of the
   safetensors header (8-byte little-endian header length, JSON header, ``data_offsets`` from the end of the
   header), of only the slice's bytes (``Checkpoint.bytes_read`` counts them). No memory-mapped page is
-  touched, so a shard truncated meanwhile is an error, never a SIGBUS.
+  touched, so a shard truncated meanwhile is an error, never a SIGBUS. ``Checkpoint(path, mmap=True)`` makes
+  them views of the memory map instead (no copy; a first load, which has no live model to lose).
 * :meth:`Checkpoint.get_tensor` and iterating the checkpoint give views of the memory-mapped file
   (``safetensors.safe_open``; nothing is copied), for callers that know the files stay as they are.
 
@@ -234,6 +235,38 @@ def _runs(shape: tuple, box: tuple[tuple[int, int], ...]) -> tuple[list[int], in
     return starts, (box[d][1] - box[d][0]) * strides[d]
 
 
+class _ReadBuffers:
+    """The host memory preads land in, reused within one checkpoint: a buffer comes back once the last tensor over
+    it is freed (a ``weakref.finalize`` on the numpy view a tensor holds), so a stream of reads pays the page
+    faults of fresh memory only for its first tensors. A read takes the smallest free buffer that holds it, else
+    a new one, dropping the free buffers too small for it: so there are never more buffers than tensors alive at
+    once, each at most the largest read. Numpy allocations, made outside torch's dispatcher (like a memory-mapped
+    view), so :class:`layerwise.memory.DeviceMemoryTracker` does not count them; RssAnon does."""
+
+    def __init__(self):
+        self.free: list[np.ndarray] = []
+        self.keep = True  # False once the checkpoint is closed: buffers freed later are not kept
+
+    def take(self, nbytes: int) -> np.ndarray:
+        fits = [i for i, b in enumerate(self.free) if b.nbytes >= nbytes]
+        if fits:
+            base = self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))
+        else:
+            self.free.clear()  # all too small for this read
+            base = np.empty(nbytes, dtype=np.uint8)
+        view = base[:nbytes]
+        weakref.finalize(view, self._give_back, base)
+        return view
+
+    def _give_back(self, base: np.ndarray) -> None:
+        if self.keep:
+            self.free.append(base)
+
+    def release(self) -> None:
+        self.free.clear()
+        self.keep = False
+
+
 class _ShardFile:
     """One safetensors file of a checkpoint, opened once: a descriptor, the :class:`FileIdentity` it had then,
     each tensor's first byte in the file (from its header), and safetensors' memory-mapped handle for views.
@@ -241,8 +274,9 @@ class _ShardFile:
     :meth:`close` closes the descriptor and the handle; a later read opens the path again and is compared with
     the identity recorded the first time, so a file replaced in between is still refused."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, buffers: _ReadBuffers):
         self.path = path
+        self.buffers = buffers
         self._fd: int | None = None
         self._closer = None
         self._handle = None
@@ -292,14 +326,13 @@ class _ShardFile:
             )
 
     def read(self, key: str, shape: tuple, dtype: torch.dtype, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """The box of tensor ``key`` read with ``os.preadv`` into fresh host memory (a numpy allocation, made
-        outside torch's dispatcher, like a memory-mapped view, so ``DeviceMemoryTracker`` does not count it), the file
+        """The box of tensor ``key`` read with ``os.preadv`` into host memory (:class:`_ReadBuffers`), the file
         checked before and after: the bytes returned were all read from the file as it was when opened (to its
         mtime granularity)."""
         self.check(key)
         out_shape = tuple(stop - start for start, stop in box)
         nbytes = math.prod(out_shape) * dtype.itemsize
-        buffer = np.empty(nbytes, dtype=np.uint8)
+        buffer = self.buffers.take(nbytes)
         if nbytes:
             begin = self.offsets[key]
             starts, run = _runs(shape, box)
@@ -309,6 +342,14 @@ class _ShardFile:
                 self._read_exactly(view[i * run_bytes : (i + 1) * run_bytes], begin + start * dtype.itemsize, key)
             self.check(key, path=False)  # written while it was read: refused before anyone uses the bytes
         return torch.from_numpy(buffer).view(dtype).view(out_shape)
+
+    def view(self, key: str, box: tuple[tuple[int, int], ...], whole: bool) -> torch.Tensor:
+        """The box of tensor ``key`` from safetensors' memory map, after checking the file (a view for the whole
+        tensor; safetensors' slice otherwise). Its pages are read when it is used: see ``Checkpoint(mmap=True)``."""
+        self.check(key)
+        if whole:
+            return self.handle().get_tensor(key)
+        return self.handle().get_slice(key)[tuple(slice(start, stop) for start, stop in box)]
 
     def _read_exactly(self, into: memoryview, offset: int, key: str) -> None:
         done = 0
@@ -338,8 +379,9 @@ class LazyTensor:
     ``numel()``, ``element_size()``, ``to("meta")`` (for counting a loader's writes), and
     ``narrow(dim, start, length)``, which returns a smaller LazyTensor. ``materialize()`` reads the box (only
     its bytes: one ``os.preadv`` for the whole tensor or a range of rows, one per row for a range of columns)
-    into fresh host memory, checking before and after that the file did not change since the checkpoint opened
-    it, and adds its bytes to ``checkpoint.bytes_read``.
+    into host memory, checking before and after that the file did not change since the checkpoint opened it
+    (``Checkpoint(mmap=True)``: a view of the memory-mapped file, checked before), and adds its bytes to
+    ``checkpoint.bytes_read``.
     """
 
     def __init__(self, checkpoint: Checkpoint, key: str, box: tuple[tuple[int, int], ...] | None = None):
@@ -392,6 +434,12 @@ class Checkpoint:
 
     Args:
         path: directory with config.json and model.safetensors or model.safetensors.index.json.
+        mmap: :class:`LazyTensor` reads return views of safetensors' memory map (as :meth:`get_tensor`) instead of
+            ``os.preadv`` copies: no copy into host memory (a weight is quantized where the page cache holds it),
+            and the files are checked the same way before each read and at the end of :meth:`iter_lazy`, but a
+            file truncated while a view is used kills the process with SIGBUS. For a caller with nothing to lose
+            to that (a first load); a reload of a live model reads with pread (Limitations 13 in
+            ``layerwise/reload/__init__.py``).
     Attributes:
         config: the parsed config.json (a dict); config_path: its path.
     Raises:
@@ -402,7 +450,7 @@ class Checkpoint:
             not loaded here (U16, C64, ...; names key and file).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, mmap: bool = False):
         self.path = os.fspath(path)
         if os.path.isfile(self.path):
             raise CheckpointError(
@@ -427,6 +475,9 @@ class Checkpoint:
             raise CheckpointError(f"config.json is not valid JSON: {e}", file=self.config_path) from e
         if not isinstance(self.config, dict):
             raise CheckpointError("config.json does not hold a JSON object", file=self.config_path)
+        self.mmap = mmap
+        self._buffers = _ReadBuffers()
+        weakref.finalize(self, self._buffers.release)  # a tensor read may outlive the checkpoint, not its spares
         self._shards: dict[str, _ShardFile] = {}  # every file opened (all of them, for their headers)
         self.bytes_read = 0  # payload bytes materialized through LazyTensor (slices: only their bytes)
         self.tensors: dict[str, TensorInfo] = self._read_headers(self._weight_map())
@@ -462,7 +513,7 @@ class Checkpoint:
         if file is None:
             full = self.file_of_shard(shard)
             try:
-                file = _ShardFile(full)
+                file = _ShardFile(full, self._buffers)
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors raises its own error types
@@ -472,6 +523,9 @@ class Checkpoint:
 
     def _read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
         info = self.tensors[key]
+        self._buffers.keep = True  # read after close(): reuse again
+        if self.mmap:
+            return self._shard(info.file).view(key, box, whole=box == tuple((0, n) for n in info.shape))
         return self._shard(info.file).read(key, info.shape, _TORCH_DTYPES[info.dtype], box)
 
     def check_unchanged(self) -> None:
@@ -556,3 +610,4 @@ class Checkpoint:
         A later read opens a file again and still compares it with what it was the first time."""
         for file in self._shards.values():
             file.close()
+        self._buffers.release()

@@ -111,18 +111,19 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    ``atomic=True`` nothing changed; otherwise ``updated_modules`` lists the modules written, each from the
    file as it was when opened (a tensor read while its file changed never reaches the model). A first load
    raises the CheckpointChangedError itself (the model stays on meta, 4). A reload reads each tensor (only a
-   slice's bytes under tensor parallelism) with ``os.preadv`` at the header's offsets into fresh host memory,
-   never through a memory map, so a shard cut short is that error (a short read too), not SIGBUS. The cost:
-   a copy of every byte into host memory where a mapping let the loaders read the page cache in place (10's
-   pieces included), and host memory for the tensors read at once, the largest one at least (on CPU anonymous
-   memory, which ``DeviceMemoryTracker`` does not count, as it did not count mapped pages; RssAnon does).
-   ``Checkpoint.get_tensor`` and iterating a ``Checkpoint`` (the streams callers build, and a kernel-format
-   reload from a directory, ``is_checkpoint_format=False``) give views of the memory map: checked the same way
-   before each tensor, but a shard truncated while a view is used still kills the process with SIGBUS, and
-   one rewritten in place while a view is used mixes. Not detected: a writer that keeps a file's size and
-   inode and rewrites it within one tick of the file system's mtime clock (milliseconds on Linux, seconds on
-   FAT and some network file systems), or sets the mtime back (``os.utime``); that needs a content check, a
-   hash of every shard (a second pass over its bytes). A unit still queued at finalize (9, a
+   slice's bytes under tensor parallelism) with ``os.preadv`` at the header's offsets into host memory, never
+   through a memory map, so a shard cut short is that error (a short read too), not SIGBUS. The cost: a copy
+   of every byte into host buffers, reused within the reload, where a mapping let the loaders read the page
+   cache in place (10's pieces included), and host memory for the tensors read at once, the largest one at
+   least (on CPU anonymous memory, which ``DeviceMemoryTracker`` does not count, as it did not count mapped
+   pages; RssAnon does). ``Checkpoint(path, mmap=True)`` reads views of the memory map instead (no copy; for a
+   first load, which has no live model to lose): checked the same way before each read, but a shard truncated
+   while a view is used still kills the process with SIGBUS, and one rewritten in place while a view is used
+   mixes. So do ``Checkpoint.get_tensor`` and iterating a ``Checkpoint`` (the streams callers build, and a
+   kernel-format reload from a directory, ``is_checkpoint_format=False``). Not detected: a writer that keeps a
+   file's size and inode and rewrites it within one tick of the file system's mtime clock (milliseconds on
+   Linux, seconds on FAT and some network file systems), or sets the mtime back (``os.utime``); that needs a
+   content check, a hash of every shard (a second pass over its bytes). A unit still queued at finalize (9, a
    partial reload) is read after the stream's last check: its own read is checked, a change after it is not
    seen (nothing is mixed: every value is from the files as they were opened).
 """

@@ -289,3 +289,31 @@ def test_first_load_of_a_shard_truncated_midway_is_a_checkpoint_error(checkpoint
     report = _in_child(tmp_path, _load_while_truncating, source)
     assert report["error"] == "CheckpointChangedError" and os.path.dirname(report["file"]) == str(source)
     assert "size" in report["message"] and report["file"] in report["message"]
+
+
+def test_read_buffers_are_reused_only_once_their_tensors_are_freed(checkpoints):
+    ckpt = Checkpoint(checkpoints[0])
+    lazy = dict(ckpt.iter_lazy())
+    views = {k: ckpt.get_tensor(k) for k in lazy}
+    keys = [k for k in ckpt.keys if k.endswith("proj.weight")][:6]
+    held = [lazy[k].materialize() for k in keys[:3]]
+    addresses = {t.data_ptr() for t in held}
+    for k in keys[3:]:
+        t = lazy[k].materialize()  # never over a held tensor's buffer
+        assert t.data_ptr() not in addresses and torch.equal(_bytes(t), _bytes(views[k]))
+        del t
+    assert all(torch.equal(_bytes(t), _bytes(views[k])) for t, k in zip(held, keys, strict=False))
+    del held
+    assert addresses <= {b.ctypes.data for b in ckpt._buffers.free}  # freed: their buffers serve the next reads
+
+
+def test_mmap_reads_are_views_and_are_checked_too(checkpoints, tmp_path):
+    source = _copy(checkpoints[0], tmp_path)
+    ckpt = Checkpoint(source, mmap=True)
+    lazy = dict(ckpt.iter_lazy())
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert not lazy[key].materialize().untyped_storage().resizable()  # a view of the file
+    os.utime(ckpt.file_of(key), ns=(0, 0))  # the mtime changes, nothing else
+    with pytest.raises(CheckpointChangedError, match="mtime") as e:
+        lazy[key].materialize()
+    assert e.value.file == ckpt.file_of(key) and e.value.key == key
