@@ -156,6 +156,7 @@ def load_model_with_report(
     track_memory: bool = True,
     tp_group=None,
     global_scales: bool = False,
+    mmap: bool = True,
 ) -> tuple[nn.Module, LoadReport]:
     """Like :func:`load_model`, and also returns the :class:`LoadReport`.
 
@@ -167,7 +168,7 @@ def load_model_with_report(
     start = time.perf_counter()
     device = resolve_device(device)
     tp = TPContext.of(tp_group)
-    ckpt = Checkpoint(path)
+    ckpt = Checkpoint(path, mmap=mmap)
     config = ModelConfig.from_dict(ckpt.config, ckpt.config_path)
     arch, model_cls = get_model_class(config, ckpt.config_path)
     params_dtype = parse_dtype(dtype) or config.dtype or torch.bfloat16
@@ -235,6 +236,7 @@ def load_model(
     fp8_mode: str = "auto",
     tp_group=None,
     global_scales: bool = False,
+    mmap: bool = True,
 ) -> nn.Module:
     """Load a Hugging Face checkpoint layer by layer, quantizing decoder Linear weights on the fly.
 
@@ -262,6 +264,11 @@ def load_model(
         global_scales: with tp_group and per-tensor FP8, reduce each weight's amax (max) over the group
             so that every rank's FP8 shard equals the matching slice of the unsharded model byte for byte;
             False (vLLM's behaviour): each rank's scale comes from its own shard.
+        mmap: read the shards through a memory map (no copy: the fastest load). A shard truncated while the
+            load uses its pages still kills the process with SIGBUS; False reads with ``os.preadv`` into
+            host buffers (about 20% slower on a 2-core CPU), so a shard that changes during the load is a
+            CheckpointChangedError naming it. Reloads always read that way (Limitations 13 in
+            layerwise/reload/__init__.py).
     Returns:
         the model in eval mode; ``model(input_ids [B, T]) -> logits [B, T, vocab]`` (every rank returns
         the full logits; all ranks of the group must call forward together).
@@ -289,6 +296,7 @@ def load_model(
         track_memory=False,
         tp_group=tp_group,
         global_scales=global_scales,
+        mmap=mmap,
     )[0]
 
 

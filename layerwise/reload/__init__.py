@@ -116,10 +116,11 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    of every byte into host buffers, reused within the reload, where a mapping let the loaders read the page
    cache in place (10's pieces included), and host memory for the tensors read at once, the largest one at
    least (on CPU anonymous memory, which ``DeviceMemoryTracker`` does not count, as it did not count mapped
-   pages; RssAnon does). ``Checkpoint(path, mmap=True)`` reads views of the memory map instead (no copy; for a
-   first load, which has no live model to lose): checked the same way before each read, but a shard truncated
-   while a view is used still kills the process with SIGBUS, and one rewritten in place while a view is used
-   mixes. So do ``Checkpoint.get_tensor`` and iterating a ``Checkpoint`` (the streams callers build, and a
+   pages; RssAnon does). ``Checkpoint(path, mmap=True)`` reads views of the memory map instead (no copy; what a
+   first load does unless ``load_model(..., mmap=False)``, having no live model to lose): checked the same
+   way before each read, but a shard truncated while a view is used still kills the process with SIGBUS,
+   and one rewritten in place while a view is used mixes.
+   So do ``Checkpoint.get_tensor`` and iterating a ``Checkpoint`` (the streams callers build, and a
    kernel-format reload from a directory, ``is_checkpoint_format=False``). Not detected: a writer that keeps a
    file's size and inode and rewrites it within one tick of the file system's mtime clock (milliseconds on
    Linux, seconds on FAT and some network file systems), or sets the mtime back (``os.utime``); that needs a
