@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING
 
 from layerwise.errors import (
+    CheckpointChangedError,
     CheckpointError,
     ConfigError,
     DeviceError,
@@ -36,6 +37,7 @@ _API = {
 }
 
 __all__ = [
+    "CheckpointChangedError",
     "CheckpointError",
     "CompletionOutput",
     "ConfigError",

@@ -353,10 +353,12 @@ def reload_weights(
         a :class:`ReloadReport`.
     Raises:
         ReloadError: the stream named an unknown tensor, a wrong shape, a non-finite value, a region
-            twice, or left a module incomplete, or it (or torch) raised another exception midway (an
-            OSError of a truncated file: then ``cause``). Raised before the affected module's kernel tensors
-            are touched; ``updated_modules`` lists the modules already overwritten (none when
-            ``atomic``), every other module holds its previous values, and the model stays usable.
+            twice, or left a module incomplete, or it (or torch) raised another exception midway (a
+            shard of the directory truncated, rewritten or replaced meanwhile: a CheckpointChangedError naming
+            the file, then ``cause``; Limitations 13 in ``layerwise/reload/__init__.py``). Raised before the
+            affected module's kernel tensors are touched; ``updated_modules`` lists the modules already
+            overwritten (none when ``atomic``), every other module holds its previous values, and the model
+            stays usable.
             The original error is chained as ``__cause__`` and kept as ``cause``. One exception: a list or
             tuple reloaded on CUDA is checked for NaN/Inf on the device, read once at the end (no host
             synchronization per module; Limitations 12 in ``layerwise/reload/__init__.py``), so a non-finite
