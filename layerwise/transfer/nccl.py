@@ -434,15 +434,13 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
                 buf, work = in_flight.popleft()
                 what = _bucket_label(bucket, k, total)
                 group.wait(work, declared[k][0][0], what)
-                if info.verify:
-                    lo, hi = wire.agree(group, wire.checksum(buf), declared[k][0][0], f"{what}'s checksum")
-                    if lo != hi:
-                        raise WeightTransferError(
-                            f"weight transfer, {what}: the checksum of the bytes received differs from the "
-                            f"trainer's (changed in transit, or while the trainer sent them); nothing of this "
-                            f"bucket was loaded; the trainer raised too, and the group stays in step",
-                            key=declared[k][0][0],
-                        )
+                if info.verify and not wire.checksums_agree(group, buf, declared[k][0][0], what):
+                    raise WeightTransferError(
+                        f"weight transfer, {what}: the checksum of the bytes received differs from the "
+                        f"trainer's (changed in transit, or while the trainer sent them); nothing of this "
+                        f"bucket was loaded; the trainer raised too, and the group stays in step",
+                        key=declared[k][0][0],
+                    )
                 if k + num_slots <= total:
                     pending[k + num_slots] = post_header(k + num_slots)
                 if error is None:
@@ -578,14 +576,12 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         def complete_oldest() -> None:
             buf, work, key, label = in_flight.popleft()
             group.wait(work, key, label)
-            if args.verify:
-                lo, hi = wire.agree(group, wire.checksum(buf), key, f"{label}'s checksum")
-                if lo != hi:
-                    raise WeightTransferError(
-                        f"weight transfer, {label}: an engine received bytes whose checksum differs from the "
-                        f"trainer's; it loaded nothing of this bucket, and the group stays in step",
-                        key=key,
-                    )
+            if args.verify and not wire.checksums_agree(group, buf, key, label):
+                raise WeightTransferError(
+                    f"weight transfer, {label}: an engine received bytes whose checksum differs from the "
+                    f"trainer's; it loaded nothing of this bucket, and the group stays in step",
+                    key=key,
+                )
 
         def send(bucket: Bucket) -> None:
             nonlocal sent

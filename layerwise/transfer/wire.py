@@ -103,6 +103,13 @@ def agree(group: Group, values: Sequence[int], key: str | None, what: str) -> tu
     return Agreement(group, values, key, what).result()
 
 
+def checksums_agree(group: Group, data: torch.Tensor, key: str | None, what: str) -> bool:
+    """Whether every rank's :func:`checksum` of its copy of a bucket (``data``, uint8) is the same (one
+    all-reduce; ``what`` names the bucket)."""
+    lo, hi = agree(group, checksum(data), key, f"{what}'s checksum")
+    return lo == hi
+
+
 def exchange_entries(
     group: Group, entries: Sequence[Entry] | None, key: str | None, what: str, reason: str | None = None
 ) -> tuple[list[Entry], str | None]:
