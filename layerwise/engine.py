@@ -105,9 +105,10 @@ class Engine:
         # first), and whether one such update holds generations off
         self._updates_waiting_for_generations = 0
         self._generations_held = False
-        self._held_update_lock = False  # start_weight_update ... finish/abort hold it across calls
-        self._update_owner: int | None = None  # the thread that opened that update
-        self._open_update = None  # that update (a layerwise.transfer.WeightUpdate): what it overwrote, if it fails
+        # start_weight_update ... finish/abort hold the weights lock across calls: the update (a
+        # layerwise.transfer.WeightUpdate; what it overwrote, if it fails) and the thread that opened it
+        self._open_update = None
+        self._update_owner: int | None = None
         self._open_update_holds_generations = False  # it was started with wait_for_generate
         self.transfer_engine = None  # set by init_weight_transfer_engine
 
@@ -205,10 +206,9 @@ class Engine:
             TypeError: a prompt of another type.
         """
         requests = self._requests(prompts, sampling_params)
-        versions = _TokenVersions()
-        for _ in self._steps(requests, versions, use_tqdm):
+        for _ in self._steps(requests, use_tqdm):
             pass
-        return [versions.output(r, self._text) for r in requests]
+        return [r.output(self._text) for r in requests]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate one prompt, yielding its ``RequestOutput`` (cumulative: all tokens so far) after every step;
@@ -223,9 +223,8 @@ class Engine:
         return self._stream(requests[0])
 
     def _stream(self, request: Request) -> Iterator[RequestOutput]:
-        versions = _TokenVersions()
-        for _ in self._steps([request], versions, use_tqdm=False):
-            yield versions.output(request, self._text)
+        for _ in self._steps([request], use_tqdm=False):
+            yield request.output(self._text)
 
     def chat(
         self,
@@ -377,7 +376,7 @@ class Engine:
         """How many most likely tokens a logprobs setting asks for (-1: the whole vocabulary)."""
         return self.model.config.vocab_size if k == -1 else k
 
-    def _steps(self, requests: list[Request], versions: _TokenVersions, use_tqdm: bool) -> Iterator[None]:
+    def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
         """Run the requests to their end, one forward step per iteration, owning the KV cache meanwhile."""
         me = threading.get_ident()
         if self._generating_owner == me:
@@ -395,13 +394,13 @@ class Engine:
             )
             self._generating_owner = me
         try:
-            yield from self._run(requests, versions, use_tqdm)
+            yield from self._run(requests, use_tqdm)
         finally:
             with self._turn:
                 self._generating_owner = None
                 self._turn.notify_all()
 
-    def _run(self, requests: list[Request], versions: _TokenVersions, use_tqdm: bool) -> Iterator[None]:
+    def _run(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
         from tqdm.auto import tqdm
 
         for request in requests:
@@ -413,9 +412,9 @@ class Engine:
                 self._refuse_nested_update()  # e.g. start_weight_update between a stream's yields, same thread
                 admitted = scheduler.admit()
                 if admitted:
-                    self._prefill(scheduler, admitted, versions)
+                    self._prefill(scheduler, admitted)
                 else:
-                    self._decode(scheduler, versions)
+                    self._decode(scheduler)
                 for src, dst, length in scheduler.retire():
                     self.runner.copy_slot(src, dst, length)
                 if use_tqdm:
@@ -424,7 +423,7 @@ class Engine:
                     done = finished
                 yield
 
-    def _prefill(self, scheduler: Scheduler, admitted: list[Request], versions: _TokenVersions) -> None:
+    def _prefill(self, scheduler: Scheduler, admitted: list[Request]) -> None:
         first = len(scheduler.running)
         prompts = [r.prompt_token_ids for r in admitted]
         full_rows = [i for i, r in enumerate(admitted) if r.params.prompt_logprobs is not None]
@@ -437,20 +436,19 @@ class Engine:
             self.runner.copy_slot(first + row, slot, len(seq.request.prompt_token_ids))
         rows = torch.tensor([row for _, row in placed], device=logits.device)
         seqs = [seq for seq, _ in placed]
-        self._sample(seqs, logits.index_select(0, rows))
-        versions.record(seqs, version)
+        self._sample(seqs, logits.index_select(0, rows), version)
 
-    def _decode(self, scheduler: Scheduler, versions: _TokenVersions) -> None:
+    def _decode(self, scheduler: Scheduler) -> None:
         seqs = scheduler.running
         tokens = [s.token_ids[-1] for s in seqs]
         positions = [s.length - 1 for s in seqs]
         with self._step_lock() as version:
             logits = self.runner.decode(tokens, positions)
-        self._sample(seqs, logits)
-        versions.record(seqs, version)
+        self._sample(seqs, logits, version)
 
-    def _sample(self, seqs, logits: torch.Tensor) -> None:
-        """Draw each sequence's next token from float32 ``logits`` [len(seqs), vocab] and append it."""
+    def _sample(self, seqs, logits: torch.Tensor, weight_version: int) -> None:
+        """Draw each sequence's next token from float32 ``logits`` [len(seqs), vocab] (computed with the weights of
+        ``weight_version``) and append it."""
         batch = SamplingBatch.of([s.params for s in seqs], [s.generator for s in seqs], logits.device)
         tokens = self._agree(sample(logits, batch))
         token_list = tokens.tolist()
@@ -468,7 +466,7 @@ class Engine:
                     token_list[i], values[j], ranks[j], top_ids[j][:k], top_values[j][:k], name
                 )
         for seq, token, entry in zip(seqs, token_list, entries, strict=True):
-            seq.append(token, entry, self.stop_ids)
+            seq.append(token, entry, self.stop_ids, weight_version)
 
     def _prompt_logprobs(self, request: Request, logits: torch.Tensor) -> list:
         """Entries for prompt tokens 1..len-1 from float32 ``logits`` [len - 1, vocab] (the first is None)."""
@@ -723,7 +721,7 @@ class Engine:
         except BaseException:
             self._end_update(False, holds_generations=wait_for_generate)
             raise
-        self._held_update_lock, self._update_owner = True, threading.get_ident()
+        self._update_owner = threading.get_ident()
         self._open_update, self._open_update_holds_generations = update, wait_for_generate
         return update
 
@@ -772,7 +770,7 @@ class Engine:
     def _refuse_nested_update(self) -> None:
         """Raise instead of waiting forever when this thread's own open update holds the lock (another
         thread's update is simply waited for)."""
-        if self._held_update_lock and self._update_owner == threading.get_ident():
+        if self._open_update is not None and self._update_owner == threading.get_ident():
             raise RuntimeError(
                 "a weight update opened with start_weight_update is in progress on this engine: call "
                 "finish_weight_update() or abort_weight_update() first (generate, reload_weights and "
@@ -780,33 +778,11 @@ class Engine:
             )
 
     def _release_update_lock(self, changed: bool) -> None:
-        if self._held_update_lock:
+        if self._open_update is not None:
             holds_generations = self._open_update_holds_generations
-            self._held_update_lock, self._update_owner = False, None
+            self._update_owner = None
             self._open_update, self._open_update_holds_generations = None, False
             self._end_update(changed, holds_generations=holds_generations)
-
-
-class _TokenVersions:
-    """The weight version of every token one call generates, by sequence (the scheduler's Sequence has no field for
-    it): the version of the forward step whose logits the token was drawn from."""
-
-    def __init__(self) -> None:
-        self._by_sequence: dict[int, list[int]] = {}  # id(sequence): the call's requests keep each one alive
-
-    def record(self, seqs, version: int) -> None:
-        """Each of ``seqs`` has just appended one token drawn at a step of ``version``."""
-        for seq in seqs:
-            self._by_sequence.setdefault(id(seq), []).append(version)
-
-    def output(self, request: Request, decode_text) -> RequestOutput:
-        """The request's ``RequestOutput``, with its completions' token versions and their distinct values (the
-        prefill's version is its first tokens' version)."""
-        out = request.output(decode_text)
-        for completion, seq in zip(out.outputs, request.sequences, strict=True):
-            completion.token_weight_versions = list(self._by_sequence.get(id(seq), ()))
-        out.weight_versions = sorted({v for c in out.outputs for v in c.token_weight_versions})
-        return out
 
 
 def _overwrote_something(error: BaseException) -> bool:

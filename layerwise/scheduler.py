@@ -47,6 +47,7 @@ class Sequence:
         generator: its ``torch.Generator`` when seeded, else None.
         max_tokens: tokens it may generate: params.max_tokens, cut to the room left in the context.
         token_ids / logprobs / cumulative_logprob / finish_reason / stop_reason: as in CompletionOutput.
+        weight_versions: per token, the engine's weight version of the step whose logits drew it.
     """
 
     request: Request
@@ -59,6 +60,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | None = None
+    weight_versions: list[int] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -69,11 +71,13 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, entry: PositionLogprobs | None, stops: StopIds) -> None:
-        """Add a sampled token (with its logprob entry when requested) and apply the stop rules in vLLM's order: the
-        tokenizer's EOS (stop_reason None), then the request's stop ids and the checkpoint's other EOS ids
-        (stop_reason the id; EOS ids not with ignore_eos), then the length."""
+    def append(self, token: int, entry: PositionLogprobs | None, stops: StopIds, weight_version: int) -> None:
+        """Add a sampled token (with its logprob entry when requested, and the weight version it was drawn with)
+        and apply the stop rules in vLLM's order: the tokenizer's EOS (stop_reason None), then the request's stop
+        ids and the checkpoint's other EOS ids (stop_reason the id; EOS ids not with ignore_eos), then the
+        length."""
         self.token_ids.append(token)
+        self.weight_versions.append(weight_version)
         if entry is not None:
             self.logprobs.append(entry)
             self.cumulative_logprob += entry[token].logprob
@@ -96,6 +100,7 @@ class Sequence:
             logprobs=list(self.logprobs) if wants else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            token_weight_versions=list(self.weight_versions),
         )
 
 
@@ -144,6 +149,7 @@ class Request:
             prompt_logprobs=self.prompt_logprobs,
             outputs=[s.output(decode_text) for s in self.sequences],
             finished=self.finished,
+            weight_versions=sorted({v for s in self.sequences for v in s.weight_versions}),
         )
 
 
