@@ -30,11 +30,14 @@ import operator
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from layerwise.api import ReloadReport, Weights, reload_weights
+from layerwise.kv_calibration import calibrate_kv_scales, calibration_prompts
+from layerwise.layers.kv_cache import LayerKVCache, check_kv_cache_dtype
 from layerwise.model_runner import ModelRunner
 from layerwise.outputs import RequestOutput
 from layerwise.sampler import SamplingBatch, position_logprobs, sample, token_logprobs
@@ -59,10 +62,19 @@ class Engine:
         max_num_batched_tokens: most tokens (padding included) in one prefill forward; default
             max(2048, max_seq_len).
         cuda_graph_sizes: the batch sizes captured (default 1, 2, 4, 8, 16, ... up to max_batch_size).
+        kv_cache_dtype: "auto" (the model's dtype, default) or "fp8" (e4m3 with a float32 K and V scale per layer,
+            vLLM's name): half the cache bytes of BF16. The scales are calibrated (amax / 448,
+            layerwise/kv_calibration.py) when the engine is created and again after every weight change
+            (:meth:`reload_weights`, :meth:`update_weights`, :meth:`finish_weight_update`, any
+            :meth:`weight_update_lock` block), written in place; :meth:`kv_scales` returns them. Values beyond the
+            calibrated range are clamped to +-448 (:attr:`kv_clamped_fraction`).
+        kv_calibration_prompts: what fp8 calibrates on: strings (with the tokenizer) or token-id lists; default
+            the built-in ``DEFAULT_CALIBRATION_TEXT`` (with a tokenizer), else a fixed random id sequence.
     Raises:
-        ValueError: use_cuda_graph=True on a non-CUDA model; a size below 1.
+        ValueError: use_cuda_graph=True on a non-CUDA model; a size below 1; another kv_cache_dtype; a bad
+            calibration prompt.
     Memory: the KV cache takes 2 x layers x max_batch_size x max_seq_len x kv_heads x head_dim
-    elements of the embedding dtype (kv_heads: this rank's, under tensor parallelism).
+    elements of the embedding dtype, or bytes with fp8 (kv_heads: this rank's, under tensor parallelism).
     Tensor parallelism: every rank of ``model.tp_group`` wraps its shard in an Engine and calls the same
     methods with the same arguments (each forward step runs collectives over the group; the group's first
     rank samples, and the others take its tokens).
@@ -79,11 +91,13 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         max_num_batched_tokens: int | None = None,
         cuda_graph_sizes: Sequence[int] | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_calibration_prompts: Sequence | None = None,
     ):
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
         self.model = model
-        self.runner = ModelRunner(model, max_batch_size, max_seq_len, use_cuda_graph, cuda_graph_sizes)
+        self.runner = ModelRunner(model, max_batch_size, max_seq_len, use_cuda_graph, cuda_graph_sizes, kv_cache_dtype)
         self.device, self.dtype, self.use_cuda_graph = self.runner.device, self.runner.dtype, self.runner.use_cuda_graph
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_seq_len)
@@ -111,6 +125,14 @@ class Engine:
         self._update_owner: int | None = None
         self._open_update_holds_generations = False  # it was started with wait_for_generate
         self.transfer_engine = None  # set by init_weight_transfer_engine
+        self.kv_cache_dtype = kv_cache_dtype
+        self._kv_clamped_fraction = 0.0
+        self._calibration_ids = None  # fp8: the calibration prompts' token ids
+        if kv_cache_dtype == "fp8":
+            self._calibration_ids = calibration_prompts(
+                kv_calibration_prompts, tokenizer, model.config.vocab_size, max_seq_len
+            )
+            calibrate_kv_scales(self.runner, self._calibration_ids, requantize=False)
 
     @classmethod
     def from_pretrained(
@@ -123,6 +145,8 @@ class Engine:
         use_cuda_graph: bool | None = None,
         max_num_batched_tokens: int | None = None,
         cuda_graph_sizes: Sequence[int] | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_calibration_prompts: Sequence | None = None,
         **load_kwargs,
     ) -> Engine:
         """Load ``path`` with :func:`layerwise.load_model` (``load_kwargs``: its keyword arguments) and wrap it, with
@@ -132,8 +156,8 @@ class Engine:
             tokenizer: True: the checkpoint's tokenizer when the directory has one and transformers (the ``text``
                 extra) is installed, else none (an engine of token ids; a string prompt then raises, naming the
                 extra); False: none; or a tokenizer object to use.
-            max_batch_size, max_seq_len, use_cuda_graph, max_num_batched_tokens, cuda_graph_sizes: as
-                :class:`Engine`.
+            max_batch_size, max_seq_len, use_cuda_graph, max_num_batched_tokens, cuda_graph_sizes, kv_cache_dtype,
+                kv_calibration_prompts: as :class:`Engine`.
         Raises:
             what :func:`layerwise.load_model` raises; CheckpointError: the checkpoint's tokenizer files do not load.
         """
@@ -150,6 +174,7 @@ class Engine:
                     tokenizer = load_tokenizer(path)
         elif tokenizer is False:
             tokenizer = None
+        check_kv_cache_dtype(kv_cache_dtype)  # before the load, not after it
         eos = eos_token_ids(path)
         model = load_model(path, **load_kwargs)
         engine = cls(
@@ -161,6 +186,8 @@ class Engine:
             eos_token_ids=eos,
             max_num_batched_tokens=max_num_batched_tokens,
             cuda_graph_sizes=cuda_graph_sizes,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_calibration_prompts=kv_calibration_prompts,
         )
         engine._no_tokenizer_reason = missing
         return engine
@@ -178,9 +205,25 @@ class Engine:
         return self.runner.graphs
 
     @property
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (k_cache, v_cache) per decoder layer, each [max_batch_size, max_seq_len, kv_heads, head_dim]."""
+    def kv_caches(self) -> list[LayerKVCache]:
+        """One cache per decoder layer (``k_cache, v_cache = engine.kv_caches[i]``), each [max_batch_size,
+        max_seq_len, kv_heads, head_dim] of the model's dtype, or float8_e4m3fn with its ``k_scale`` /
+        ``v_scale`` (kv_cache_dtype="fp8")."""
         return self.runner.kv_caches
+
+    def kv_scales(self) -> torch.Tensor | None:
+        """The FP8 KV cache's scales, a float32 CPU copy [layers, 2] (column 0: K, 1: V; stored value x scale =
+        key or value), or None with kv_cache_dtype="auto"."""
+        scales = self.runner.kv_scales
+        return None if scales is None else scales.detach().cpu().clone()
+
+    @property
+    def kv_clamped_fraction(self) -> float:
+        """The fraction of the keys and values written into the FP8 KV cache by the last ``generate`` (or
+        ``stream``, ``chat``) that lay beyond the calibrated range and were clamped to +-448; 0.0 with
+        kv_cache_dtype="auto". Counts every value written, the padding of a batched prefill and of a CUDA
+        graph's batch included (those rarely clamp, so the fraction is, if anything, low)."""
+        return self._kv_clamped_fraction
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Complete every prompt (vLLM's ``LLM.generate``).
@@ -277,6 +320,47 @@ class Engine:
         self._refuse_nested_update()
         with self._step_lock():
             return self.runner.decode(tokens.view(-1).tolist(), positions.view(-1).tolist())
+
+    def teacher_forced_logits(self, sequences) -> list[torch.Tensor]:
+        """The logits the engine's model gives at every position of each sequence, teacher-forced: its weights,
+        its KV cache dtype and scales, batched prefill forwards (no sampling). For scoring rollouts against a
+        reference policy (``layerwise.benchmarks.mismatch``).
+
+        Args:
+            sequences: token-id lists (or a 2-D integer tensor), each of 2 to max_seq_len - 1 tokens.
+        Returns:
+            one float32 [len - 1, vocab] per sequence on the engine's device: row j holds the logits predicting
+            token j + 1.
+        Raises:
+            ValueError: a sequence shorter than 2 or of max_seq_len tokens or more, an id outside the vocabulary.
+        """
+        self._refuse_nested_update()
+        if isinstance(sequences, torch.Tensor):
+            sequences = sequences.tolist()
+        vocab = self.model.config.vocab_size
+        sequences = [[int(t) for t in seq] for seq in sequences]
+        for i, seq in enumerate(sequences):
+            if not 2 <= len(seq) < self.max_seq_len or not all(0 <= t < vocab for t in seq):
+                raise ValueError(
+                    f"sequence {i}: needs 2 to {self.max_seq_len - 1} tokens with ids in [0, {vocab}), "
+                    f"got {len(seq)} tokens"
+                )
+        out = []
+        with self._owning_kv_cache():
+            start = 0
+            while start < len(sequences):  # batches within max_batch_size and the prefill token budget
+                stop = start + 1
+                while (
+                    stop < len(sequences)
+                    and stop - start < self.max_batch_size
+                    and (stop + 1 - start) * max(map(len, sequences[start : stop + 1])) <= self.max_num_batched_tokens
+                ):
+                    stop += 1
+                with self._step_lock():
+                    _, full = self.runner.prefill(sequences[start:stop], 0, range(stop - start))
+                out.extend(full[i] for i in range(stop - start))
+                start = stop
+        return out
 
     # ---- generation internals ----
 
@@ -378,6 +462,12 @@ class Engine:
 
     def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[None]:
         """Run the requests to their end, one forward step per iteration, owning the KV cache meanwhile."""
+        with self._owning_kv_cache():
+            yield from self._run(requests, use_tqdm)
+
+    @contextlib.contextmanager
+    def _owning_kv_cache(self):
+        """Hold the KV cache's slots for this thread (a generation, or teacher-forced scoring)."""
         me = threading.get_ident()
         if self._generating_owner == me:
             raise RuntimeError(
@@ -394,7 +484,7 @@ class Engine:
             )
             self._generating_owner = me
         try:
-            yield from self._run(requests, use_tqdm)
+            yield
         finally:
             with self._turn:
                 self._generating_owner = None
@@ -407,21 +497,30 @@ class Engine:
             request.start(self.max_seq_len, self.device)
         scheduler = Scheduler(requests, self.max_batch_size, self.max_num_batched_tokens)
         done = 0
+        counts = self.runner.kv_counts
+        if counts is not None:
+            counts.zero_()
+            self._kv_clamped_fraction = 0.0
         with tqdm(total=len(requests), desc="generate", unit="prompt", disable=not use_tqdm) as bar:
-            while scheduler.has_work():
-                self._refuse_nested_update()  # e.g. start_weight_update between a stream's yields, same thread
-                admitted = scheduler.admit()
-                if admitted:
-                    self._prefill(scheduler, admitted)
-                else:
-                    self._decode(scheduler)
-                for src, dst, length in scheduler.retire():
-                    self.runner.copy_slot(src, dst, length)
-                if use_tqdm:
-                    finished = sum(r.finished for r in requests)
-                    bar.update(finished - done)
-                    done = finished
-                yield
+            try:
+                while scheduler.has_work():
+                    self._refuse_nested_update()  # e.g. start_weight_update between a stream's yields, same thread
+                    admitted = scheduler.admit()
+                    if admitted:
+                        self._prefill(scheduler, admitted)
+                    else:
+                        self._decode(scheduler)
+                    for src, dst, length in scheduler.retire():
+                        self.runner.copy_slot(src, dst, length)
+                    if use_tqdm:
+                        finished = sum(r.finished for r in requests)
+                        bar.update(finished - done)
+                        done = finished
+                    yield
+            finally:
+                if counts is not None:  # one host read per generation
+                    clamped, written = counts.tolist()
+                    self._kv_clamped_fraction = clamped / max(written, 1)
 
     def _prefill(self, scheduler: Scheduler, admitted: list[Request]) -> None:
         first = len(scheduler.running)
@@ -529,17 +628,21 @@ class Engine:
 
         On CUDA the step's kernels may still run when the lock is released; the update's copies are
         issued on the same stream after them, so they never overlap.
+
+        Yields an :class:`UpdateScope`: set its ``report`` to the block's ``ReloadReport`` and the lock records in it
+        what it did after the change (the FP8 KV cache's recalibration, which runs before the lock is released).
         """
         self._begin_update(wait_for_generate, wait_timeout)
         changed = False
+        scope = UpdateScope()
         try:
-            yield
+            yield scope
             changed = True
         except BaseException as e:
             changed = _overwrote_something(e)
             raise
         finally:
-            self._end_update(changed, holds_generations=wait_for_generate)
+            self._end_update(changed, holds_generations=wait_for_generate, report=scope.report)
 
     @contextlib.contextmanager
     def _step_lock(self):
@@ -567,14 +670,26 @@ class Engine:
                 self._release_generations()
             raise
 
-    def _end_update(self, changed: bool, *, holds_generations: bool) -> None:
-        """Count the version (still under the weights lock, so a step reads it before or after, never midway),
-        then let forward steps and generations run again."""
-        if changed:
-            self._weight_version += 1
-        self._weights_lock.release()
-        if holds_generations:
-            self._release_generations()
+    def _end_update(self, changed: bool, *, holds_generations: bool, report: ReloadReport | None = None) -> None:
+        """Count the version and recalibrate the FP8 KV cache's scales to the new weights (still under the weights
+        lock, so a step sees neither before the other), then let forward steps and generations run again."""
+        try:
+            if changed:
+                self._weight_version += 1
+                self._recalibrate_kv_scales(report)
+        finally:
+            self._weights_lock.release()
+            if holds_generations:
+                self._release_generations()
+
+    def _recalibrate_kv_scales(self, report: ReloadReport | None) -> None:
+        """FP8 KV cache: new scales for the new weights; sequences in flight (an update that lands between steps)
+        have what they cached re-encoded with them. Records it in ``report``."""
+        if self._calibration_ids is None:
+            return
+        seconds = calibrate_kv_scales(self.runner, self._calibration_ids, requantize=self._generating_owner is not None)
+        if report is not None:
+            report.kv_scales_recalibrated, report.kv_calibration_seconds = True, seconds
 
     def _hold_generations(self, deadline: float | None) -> None:
         """Wait until no generation is in flight, and keep new ones from starting until _release_generations.
@@ -638,8 +753,9 @@ class Engine:
                 steps of a generation in flight (vLLM's behaviour); True waits for it to end.
             kwargs: those of :func:`layerwise.reload_weights` (is_checkpoint_format, atomic).
         """
-        with self.weight_update_lock(wait_for_generate=wait_for_generate, wait_timeout=wait_timeout):
-            return reload_weights(self.model, weights, **kwargs)
+        with self.weight_update_lock(wait_for_generate=wait_for_generate, wait_timeout=wait_timeout) as scope:
+            scope.report = reload_weights(self.model, weights, **kwargs)
+            return scope.report
 
     # ---- weight sync from a trainer (layerwise.transfer), named as vLLM's engine methods ----
 
@@ -695,8 +811,9 @@ class Engine:
 
         if self.transfer_engine is None:
             raise RuntimeError("no weight-transfer backend: call engine.init_weight_transfer_engine(...) first")
-        with self.weight_update_lock(wait_for_generate=wait_for_generate, wait_timeout=wait_timeout):
-            return update_weights(self.model, self.transfer_engine, request, atomic=atomic)
+        with self.weight_update_lock(wait_for_generate=wait_for_generate, wait_timeout=wait_timeout) as scope:
+            scope.report = update_weights(self.model, self.transfer_engine, request, atomic=atomic)
+            return scope.report
 
     def start_weight_update(
         self,
@@ -738,7 +855,7 @@ class Engine:
         ``updated_modules``, or what a failed ``receive`` had written before it closed the update)."""
         from layerwise.transfer import finish_weight_update
 
-        update, changed = self._open_update, False
+        update, changed, report = self._open_update, False, None
         try:
             report = finish_weight_update(self.model)
             changed = True
@@ -747,7 +864,7 @@ class Engine:
             changed = _overwrote_something(e) or bool(update is not None and update.updated)
             raise
         finally:
-            self._release_update_lock(changed)
+            self._release_update_lock(changed, report)
 
     def abort_weight_update(self) -> list[str]:
         """Abort the open update and let forward steps run again; returns the modules it had already
@@ -777,12 +894,20 @@ class Engine:
                 "update_weights wait for it)"
             )
 
-    def _release_update_lock(self, changed: bool) -> None:
+    def _release_update_lock(self, changed: bool, report: ReloadReport | None = None) -> None:
         if self._open_update is not None:
             holds_generations = self._open_update_holds_generations
             self._update_owner = None
             self._open_update, self._open_update_holds_generations = None, False
-            self._end_update(changed, holds_generations=holds_generations)
+            self._end_update(changed, holds_generations=holds_generations, report=report)
+
+
+@dataclass
+class UpdateScope:
+    """What a :meth:`Engine.weight_update_lock` block hands back: ``report``, the block's ``ReloadReport`` (or None),
+    which the lock completes when the block ends (``kv_scales_recalibrated``, ``kv_calibration_seconds``)."""
+
+    report: ReloadReport | None = None
 
 
 def _overwrote_something(error: BaseException) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from layerwise.layers.kv_cache import FP8_DTYPE, FP8_MAX, LayerKVCache, check_kv_cache_dtype
 from layerwise.quant.moe_base import capture_path
 
 PREFIX_ROUNDING = 64  # eager decode attends to the cache prefix rounded up to this many positions
@@ -42,11 +43,13 @@ class ModelRunner:
         use_cuda_graph: replay decode steps as CUDA graphs (a CUDA model only); None: on CUDA only.
         capture_sizes: batch sizes to capture (default :func:`default_capture_sizes`); sizes above
             max_batch_size are cut to it, and max_batch_size is always one of them.
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3, with the per-layer float32 scales
+            :attr:`kv_scales`, 1.0 until :meth:`set_kv_scales`; layerwise/layers/kv_cache.py).
     Raises:
-        ValueError: use_cuda_graph=True on a non-CUDA model; a capture size below 1.
+        ValueError: use_cuda_graph=True on a non-CUDA model; a capture size below 1; another kv_cache_dtype.
     Memory: 2 x layers x max_batch_size x max_seq_len x kv_heads x head_dim elements of the model's dtype
-    (kv_heads: this rank's under tensor parallelism), plus per captured size a float32 logits buffer
-    [size, vocab] and the graph's share of one memory pool.
+    (1 byte each with fp8; kv_heads: this rank's under tensor parallelism), plus per captured size a float32
+    logits buffer [size, vocab] and the graph's share of one memory pool.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class ModelRunner:
         max_seq_len: int,
         use_cuda_graph: bool | None,
         capture_sizes: list[int] | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.model = model
         embed = model.model.embed_tokens.weight
@@ -66,14 +70,23 @@ class ModelRunner:
             raise ValueError("CUDA graphs need a model on a CUDA device")
         if capture_sizes is not None and any(int(size) < 1 for size in capture_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {list(capture_sizes)}")
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        fp8 = kv_cache_dtype == "fp8"
         attn = model.model.layers[0].self_attn
         shape = (max_batch_size, max_seq_len, attn.num_kv_heads, attn.head_dim)
+        layers = len(model.model.layers)
+        # fp8: float32 [layers, 2] (K, V) scales, each layer's a view of one row, rewritten in place by
+        # set_kv_scales; int64 [2] counts (values clamped, values written), reset by the engine per generate
+        self.kv_scales = torch.ones(layers, 2, dtype=torch.float32, device=self.device) if fp8 else None
+        self.kv_counts = torch.zeros(2, dtype=torch.long, device=self.device) if fp8 else None
+        cache_dtype = FP8_DTYPE if fp8 else self.dtype
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            LayerKVCache(
+                torch.zeros(shape, dtype=cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=cache_dtype, device=self.device),
+                *((self.kv_scales[i, 0:1], self.kv_scales[i, 1:2], self.kv_counts) if fp8 else ()),
             )
-            for _ in range(len(model.model.layers))
+            for i in range(layers)
         ]
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.use_cuda_graph = use_cuda_graph
@@ -86,8 +99,8 @@ class ModelRunner:
         self._pos = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
         self.captures = 0
 
-    def _slots(self, start: int, stop: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k[start:stop, :length], v[start:stop, :length]) for k, v in self.kv_caches]
+    def _slots(self, start: int, stop: int, length: int) -> list[LayerKVCache]:
+        return [cache.view(start, stop, length) for cache in self.kv_caches]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head.compute_logits(hidden).float()
@@ -170,3 +183,21 @@ class ModelRunner:
         for k, v in self.kv_caches:
             k[dst, :length].copy_(k[src, :length])
             v[dst, :length].copy_(v[src, :length])
+
+    @torch.inference_mode()
+    def set_kv_scales(self, scales: torch.Tensor, requantize: bool) -> None:
+        """Write new FP8 KV-cache scales into :attr:`kv_scales` in place (its address, which captured graphs
+        read, is kept).
+
+        Args:
+            scales: float32 [layers, 2] (K, V), positive and finite.
+            requantize: also re-encode what the cache holds with the new scales (x_new = clamp(x_old * old /
+                new), one more rounding), for sequences in flight; False when the cache holds nothing live.
+        """
+        if requantize:
+            ratio = self.kv_scales / scales.to(self.kv_scales.device)
+            for i, cache in enumerate(self.kv_caches):
+                for j, stored in enumerate(cache):
+                    for slot in stored:  # one slot at a time: a float32 copy of one slot, not of the whole cache
+                        slot.copy_((slot.float() * ratio[i, j]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+        self.kv_scales.copy_(scales)

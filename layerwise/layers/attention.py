@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from layerwise.layers.kv_cache import LayerKVCache, as_layer_cache
+
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -85,7 +87,7 @@ def cached_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     positions: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: LayerKVCache | tuple[torch.Tensor, torch.Tensor],
     scale: float,
     sliding_window: int | None = None,
     mask: torch.Tensor | None = None,
@@ -99,19 +101,20 @@ def cached_attention(
 
     Args:
         q: [B, T, Hq, D]; k, v: [B, T, Hk, D]; positions: int64 [B, T].
-        kv_cache: (k_cache, v_cache), each [B, L, Hk, D], written in place.
+        kv_cache: a :class:`~layerwise.layers.kv_cache.LayerKVCache` (BF16, or FP8 with its scales: keys and
+            values are quantized as they are written, and the scales fold into the query and the output), or a
+            (k_cache, v_cache) tuple of q's dtype; each [B, L, Hk, D], written in place.
         sliding_window: None, or the number of keys (own included) each query sees.
         mask: :func:`cache_mask` of these positions, cache length, grouping and window, when the caller
             computed it already (once per forward for all layers); None: computed here.
     Returns:
         [B, T, Hq * D] in q's dtype.
     """
-    k_cache, v_cache = kv_cache
+    cache = as_layer_cache(kv_cache)
     b, t, hq, d = q.shape
     rows = torch.arange(b, device=q.device)[:, None].expand(b, t)
-    k_cache.index_put_((rows, positions), k)
-    v_cache.index_put_((rows, positions), v)
-    length, hk = k_cache.shape[1], k_cache.shape[2]
+    cache.write(rows, positions, k, v)
+    length, hk = cache.k.shape[1], cache.k.shape[2]
     groups = hq // hk
     if mask is None:
         mask = cache_mask(positions, length, groups, sliding_window, q.dtype)
@@ -120,9 +123,15 @@ def cached_attention(
     # read as it is, never repeated per query head (repeat_interleave copied the whole cache, every layer
     # and step: ~L * Hq * D * 2 elements).
     folded = q.view(b, t, hk, groups, d).permute(0, 2, 3, 1, 4).reshape(b, hk, groups * t, d)
+    k_cache, v_cache = cache.k, cache.v
+    if cache.quantized:  # q . (k8 * ks) = (q * ks) . k8; the output's V scale is applied after the sum
+        folded = (folded.float() * cache.k_scale).to(q.dtype)
+        k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
     out = F.scaled_dot_product_attention(
         folded, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=mask, scale=scale
     )  # [B, Hk, groups * T, D]
+    if cache.quantized:
+        out = (out.float() * cache.v_scale).to(q.dtype)
     return out.view(b, hk, groups, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)
 
 
@@ -131,7 +140,7 @@ def attention(
     k,
     v,
     positions,
-    kv_cache: tuple | None,
+    kv_cache: LayerKVCache | tuple | None,
     scale: float,
     sliding_window: int | None = None,
     mask: torch.Tensor | None = None,

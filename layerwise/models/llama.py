@@ -16,6 +16,7 @@ from layerwise.distributed import NO_TP, TPContext
 from layerwise.errors import ConfigError
 from layerwise.layers.attention import AttentionMetadata, attention, cache_mask
 from layerwise.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from layerwise.layers.kv_cache import LayerKVCache, as_layer_cache
 from layerwise.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from layerwise.layers.norm import RMSNorm
 from layerwise.layers.rotary import RotaryEmbedding
@@ -146,7 +147,7 @@ class LlamaAttention(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        kv_cache: tuple | None = None,
+        kv_cache: LayerKVCache | tuple | None = None,
         attn_metadata: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """x [B, T, H] at int64 positions [B, T] -> [B, T, H]; ``attn_metadata``: the model's rotary cos/sin
@@ -208,7 +209,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        kv_cache: tuple | None = None,
+        kv_cache: LayerKVCache | tuple | None = None,
         attn_metadata: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """x [B, T, hidden] at int64 positions [B, T] -> [B, T, hidden]; ``kv_cache`` and ``attn_metadata`` as in
@@ -243,8 +244,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list | None = None) -> torch.Tensor:
         """input_ids and positions int64 [B, T] -> final-norm hidden states [B, T, hidden] in the model's dtype.
 
-        ``kv_caches``: None (attention over the sequence itself), or one (k_cache, v_cache) per decoder layer,
-        each [B, L, kv heads of this rank, head_dim], written at ``positions`` (``layers.attention.cached_attention``).
+        ``kv_caches``: None (attention over the sequence itself), or one ``LayerKVCache`` (or (k_cache, v_cache)
+        tuple) per decoder layer, each [B, L, kv heads of this rank, head_dim], written at ``positions``
+        (``layers.attention.cached_attention``).
         """
         x = self.embed_tokens(input_ids)
         # once per forward, not once per layer (fewer kernels per decode step): the rotary cos/sin, from the
@@ -253,7 +255,8 @@ class LlamaModel(nn.Module):
         first = self.layers[0].self_attn
         metadata = AttentionMetadata(first.rotary_emb.cos_sin(positions, x.dtype))
         if kv_caches is not None:
-            length, groups = kv_caches[0][0].shape[1], first.num_heads // first.num_kv_heads
+            kv_caches = [as_layer_cache(c) for c in kv_caches]
+            length, groups = kv_caches[0].length, first.num_heads // first.num_kv_heads
             windows = {layer.self_attn.sliding_window for layer in self.layers}
             metadata.masks = {w: cache_mask(positions, length, groups, w, x.dtype) for w in windows}
         for i, layer in enumerate(self.layers):

@@ -263,11 +263,16 @@ class ReloadReport:
         peak_buffered_bytes: most bytes of incoming tensors held (on CPU) by modules waiting for
             their remaining tensors; 0 for a stream that arrives one whole module at a time on CPU
             memory it already owns (memory-mapped checkpoint views are counted too).
+        kv_scales_recalibrated: an Engine with an FP8 KV cache recalibrated its K/V scales after this change
+            (always, when it has one); False for a model without an engine.
+        kv_calibration_seconds: how long that took (not part of ``seconds``).
     """
 
     updated_modules: list = field(default_factory=list)
     seconds: float = 0.0
     peak_buffered_bytes: int = 0
+    kv_scales_recalibrated: bool = False
+    kv_calibration_seconds: float = 0.0
 
     @property
     def updated_decoder_layers(self) -> list[int]:

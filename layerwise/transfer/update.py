@@ -371,13 +371,16 @@ def update_weights(
     """
     info = transfer_engine.parse_update_info(_update_info_of(request))
     lock = getattr(model_or_engine, "weight_update_lock", None)
-    with lock() if callable(lock) else contextlib.nullcontext():
+    with lock() if callable(lock) else contextlib.nullcontext() as scope:
         update = start_weight_update(
             model_or_engine, info.is_checkpoint_format, atomic=atomic, max_buffered_bytes=max_buffered_bytes
         )
         try:
             update.receive(transfer_engine, info)
-            return update.finish()
+            report = update.finish()
+            if scope is not None:  # an Engine's lock fills in what it does after the change (KV-cache calibration)
+                scope.report = report
+            return report
         finally:
             update.abort()  # no-op once finished; closes the update after an unexpected error
 
