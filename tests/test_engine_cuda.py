@@ -65,3 +65,36 @@ def test_a_step_pads_to_the_next_captured_size(pair):
     assert engine.runner.capture_sizes == [2, 8]
     engine.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0, max_tokens=3))  # 3 running rows -> the size-8 graph
     assert set(engine.graphs) == {8}
+
+
+def test_fp8_kv_cache_graphs_equal_eager_and_recalibrate_in_place(pair):
+    """kv_cache_dtype="fp8" under CUDA graphs: the graph steps quantize into the same cache and read the same scale
+    tensors as eager steps; a reload recalibrates them in place (no recapture) and then equals a fresh FP8 engine;
+    the clamp counts are kept inside the graphs too."""
+    a, b = pair
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, logprobs=1) for i, n in enumerate(MAX_TOKENS)]
+    kw = dict(max_batch_size=12, max_seq_len=48, device="cuda", quantization=None, kv_cache_dtype="fp8")
+    graph = Engine.from_pretrained(a, **kw)
+    eager = Engine(graph.model, max_batch_size=12, max_seq_len=48, use_cuda_graph=False, kv_cache_dtype="fp8")
+    torch.testing.assert_close(graph.kv_scales(), eager.kv_scales(), rtol=0, atol=0)
+    ours, theirs = _outputs(graph, params), _outputs(eager, params)
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    for (_, lp_graph), (_, lp_eager) in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(torch.tensor(lp_graph), torch.tensor(lp_eager), rtol=0, atol=2e-2)
+    ptrs = [t.data_ptr() for c in graph.kv_caches for t in (c.k, c.v, c.k_scale, c.v_scale)]
+    captured, before = dict(graph.graphs), graph.kv_scales()
+    report = graph.reload_weights(b)
+    assert report.kv_scales_recalibrated and not torch.equal(graph.kv_scales(), before)
+    after = _outputs(graph, params)
+    assert (
+        graph.graphs == captured
+        and [t.data_ptr() for c in graph.kv_caches for t in (c.k, c.v, c.k_scale, c.v_scale)] == ptrs
+    )
+    fresh = Engine.from_pretrained(b, **kw)
+    torch.testing.assert_close(graph.kv_scales(), fresh.kv_scales(), rtol=0, atol=0)
+    assert [t for t, _ in after] == [t for t, _ in _outputs(fresh, params)]
+    graph.runner.set_kv_scales(graph.runner.kv_scales / 64, requantize=False)
+    _outputs(graph, params)
+    assert 0 < graph.kv_clamped_fraction < 1
+    for cache in graph.kv_caches:
+        assert all(torch.isfinite(t.float()).all() for t in cache)

@@ -74,8 +74,8 @@ class LayerKVCache:
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         scaled = x.float() / scale
         if self.counts is not None:
-            clamped = (scaled.abs() > FP8_MAX).sum()
-            self.counts.add_(torch.stack([clamped, clamped.new_tensor(x.numel())]))
+            self.counts[0].add_((scaled.abs() > FP8_MAX).sum())  # kernels only (no host tensor): capturable
+            self.counts[1].add_(x.numel())
         return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
