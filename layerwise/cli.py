@@ -1,5 +1,6 @@
 """Command line: ``layerwise load PATH``, ``layerwise generate PATH``, ``layerwise demo``,
-``layerwise reload [PATH_A PATH_B]``, ``layerwise sync-demo [PATH]``, ``layerwise bench``.
+``layerwise reload [PATH_A PATH_B]``, ``layerwise sync-demo [PATH]``, ``layerwise mismatch [PATH]``,
+``layerwise bench``.
 
 Expected errors (a bad path or option, a bad checkpoint, a missing optional package, no GPU) print
 one or two lines on stderr naming the file, tensor key or option and what to do, and exit with 2
@@ -140,17 +141,17 @@ def _device(text: str) -> None:
         raise UsageError(f"--device {text}: {e.reason}") from e
 
 
-def _report_file(path: str | None) -> None:
+def _report_file(path: str | None, option: str = "--report") -> None:
     if path is None:
         return
     p = Path(path)
     if p.is_dir():
-        raise UsageError(f"--report {path} is a directory; give a file name such as {p / 'report.json'}")
+        raise UsageError(f"{option} {path} is a directory; give a file name such as {p / 'report.json'}")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
-        raise UsageError(f"--report {path}: directory {parent} does not exist")
+        raise UsageError(f"{option} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
-        raise UsageError(f"--report {path}: directory {parent} is not writable")
+        raise UsageError(f"{option} {path}: directory {parent} is not writable")
 
 
 def _kernel(kernel: str | None) -> None:
@@ -459,6 +460,27 @@ def _sync_demo(args) -> int:
     return 0 if sync_demo_ok(result) else EXIT_FAILED
 
 
+def _mismatch(args) -> int:
+    """``layerwise mismatch``: rollouts of each scheme and KV cache dtype scored by the BF16 reference
+    (layerwise/benchmarks/mismatch.py); prints the table, writes --json."""
+    from layerwise import optional
+    from layerwise.benchmarks import mismatch
+
+    path = _checkpoint_dir(args.path, "PATH") if args.path else str(mismatch.default_checkpoint(args.cache_dir))
+    _device(args.device)
+    _report_file(args.json, "--json")
+    if args.reference == "transformers":
+        optional.require(["transformers"], extra="bench", purpose="--reference transformers")
+    result = mismatch.run_from_args(args, path, log=lambda line: print(line.strip(), flush=True))
+    print(mismatch.describe(result))
+    print(mismatch.table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"results written to {args.json}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with usage errors in two lines (the error, then where to read the usage), exit 2."""
 
@@ -570,6 +592,13 @@ def _sync_demo_options(sync: argparse.ArgumentParser) -> None:
     )
 
 
+def _mismatch_options(parser: argparse.ArgumentParser) -> None:
+    from layerwise.benchmarks.mismatch import add_arguments
+
+    add_arguments(parser)
+    parser.add_argument("--json", default=None, metavar="FILE.json", help="write the results as JSON")
+
+
 #: command -> (one line for ``layerwise --help``, the function adding its options, the function running it)
 COMMANDS = {
     "load": ("load a checkpoint directory and print a memory/time summary", _load_options, _load),
@@ -585,11 +614,16 @@ COMMANDS = {
         _sync_demo_options,
         _sync_demo,
     ),
+    "mismatch": (
+        "score FP8 rollouts with the BF16 model: KL, importance ratios, top-1 agreement, perplexity per scheme",
+        _mismatch_options,
+        _mismatch,
+    ),
 }
 
 
 def build_parser(options_of: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
-    """The ``layerwise`` argument parser: commands load, generate, demo, reload, sync-demo and bench.
+    """The ``layerwise`` argument parser: commands load, generate, demo, reload, sync-demo, mismatch and bench.
 
     Args:
         options_of: the commands whose options are added (default: every command's). :func:`main` adds only the
