@@ -42,9 +42,21 @@ Limitations (the code points back to them):
    config, chunk shape, dtype and device (``_VERIFIED_PER_TENSOR``).
 5. A weight whose shape was verified (3) as a per-row float8_e4m3fn ``Float8Tensor`` and whose loads are verbatim
    copies of whole rows (``layerwise/reload`` Limitations 10) is quantized from the loaded tensors themselves
-   on the native CPU kernels, with no BF16 copy: every row scale first (the NaN/Inf check), then the bytes, on a
-   non-atomic reload straight into the live weight's ``qdata`` and ``scale`` (the live tensor object is kept).
-   The first weight of each shape in a process is assembled and quantized as in 3, to be verified.
+   on the native CPU kernels, with no BF16 copy: every row scale first (the NaN/Inf check, and 6's check as a
+   zero scale), then the bytes, on a non-atomic reload straight into the live weight's ``qdata`` and ``scale``
+   (the live tensor object is kept). The first weight of each shape in a process is assembled and quantized
+   as in 3, to be verified.
+6. torchao's result is checked too, not only the weight it came from: a finite weight can quantize to NaN
+   (torchao's float8 gives an all-zero row, or a per-tensor all-zero weight, the scale 0 and 0 / 0 = NaN bytes;
+   its int8 configs clamp their scales to float32's eps, and int8 and intx stayed finite on all-zero rows, blocks
+   and weights with torchao 0.18: tests/test_zero_weights.py). Any NaN or Inf in the result's inner
+   tensors (qdata, scale, ...) is a NonFiniteWeightError naming the scheme (:func:`check_quantized`), raised
+   before the result reaches the model: the session names the module and writes nothing of it (a reload that
+   defers its checks, ``layerwise/reload`` Limitations 12, records the check instead, writes the module and
+   raises at its end, as for a NaN in the checkpoint; atomic still changes nothing). The bytes stay torchao's
+   (``quantize_rows`` returns them as they are); making such rows finite would change what torchao computes,
+   so this module refuses them instead. The check is one pass over qdata's bytes (two max reductions, no
+   temporary) and one over the scales.
 """
 
 from __future__ import annotations
@@ -55,8 +67,11 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from layerwise.errors import NonFiniteWeightError
 from layerwise.kernels import FP8_DTYPE, cpu_native, pieces_fit, require_finite
+from layerwise.kernels.finite import deferred_sink
 from layerwise.optional import import_optional
 from layerwise.quant.base import QuantMethod, check_finite
 
@@ -249,6 +264,61 @@ def _check_finite(t: torch.Tensor) -> None:
     """Raise NonFiniteWeightError (naming the parameter 'weight') where ``t`` holds NaN or Inf (inside
     ``deferred_finite_checks``: recorded instead, see :func:`layerwise.kernels.require_finite`)."""
     require_finite(t, "parameter 'weight' holds NaN or Inf")
+
+
+def _inner_tensors(t: torch.Tensor, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(name, plain tensor) of every inner tensor of a torchao tensor subclass, nested ones as "tensor_impl.scale";
+    none for a plain tensor (a weight torchao left unquantized is the weight itself, checked before)."""
+    if not is_traceable_wrapper_subclass(t):
+        return []
+    out = []
+    for name in t.__tensor_flatten__()[0]:
+        inner = getattr(t, name)
+        out += (
+            _inner_tensors(inner, f"{prefix}{name}.")
+            if is_traceable_wrapper_subclass(inner)
+            else [(prefix + name, inner)]
+        )
+    return out
+
+
+def _non_finite_result(scheme: str, where: str, scales: list[torch.Tensor]) -> NonFiniteWeightError:
+    """The error of a finite weight that ``scheme`` quantized to NaN or Inf (Limitations 6): where, and how many of
+    ``scales`` (the result's floating inner tensors named "scale") are 0, the float8 cause. Reads them (error path)."""
+    message = f"{scheme} quantized the finite weight to NaN or Inf (in its {where})"
+    zero, total = sum(int((s == 0).sum()) for s in scales), sum(s.numel() for s in scales)
+    if zero:
+        message += (
+            f": {zero} of its {total} scales are 0 (an all-zero row or block, or an all-zero weight: torchao's "
+            f"float8 divides it by a zero scale, 0 / 0 = NaN); fp8-per-tensor, fp8-per-channel and fp8-per-block "
+            f"quantize such weights to zeros"
+        )
+    return NonFiniteWeightError(message)
+
+
+def check_quantized(quantized: torch.Tensor, scheme: str) -> None:
+    """Raise NonFiniteWeightError (naming ``scheme``) where an inner tensor of torchao's result ``quantized`` (qdata,
+    scale, ...) holds NaN or Inf (Limitations 6); inside ``deferred_finite_checks`` recorded instead (see
+    :func:`layerwise.kernels.require_finite`). Float8 bytes are checked by two max reductions, no temporary."""
+    inner = _inner_tensors(quantized)
+    for where, t in inner:
+        try:
+            require_finite(t, "")
+        except NonFiniteWeightError:
+            scales = [s for n, s in inner if n.rpartition(".")[2] == "scale" and s.is_floating_point()]
+            raise _non_finite_result(scheme, where, scales) from None
+
+
+def _check_scales_nonzero(scale: torch.Tensor, scheme: str) -> None:
+    """Limitations 6 for per-row float8 computed here (5), before its bytes are written: a row whose scale is 0 (an
+    all-zero row) gets NaN bytes, as in torchao. Raises NonFiniteWeightError naming ``scheme``; inside
+    ``deferred_finite_checks`` records the check instead."""
+    flag = (scale == 0).any()
+    sink = deferred_sink()
+    if sink is not None:
+        sink.append(flag)
+    elif bool(flag):
+        raise _non_finite_result(scheme, "qdata", [scale])
 
 
 class TorchaoLinearMethod(QuantMethod):
@@ -475,6 +545,7 @@ class TorchaoLinearMethod(QuantMethod):
         for r0, t in rows:
             scale[r0 : r0 + t.shape[0]] = _native_row_scales(t)
         _check_finite(scale)  # a NaN or Inf row has a non-finite scale; raised before any write
+        _check_scales_nonzero(scale, self.name)  # an all-zero row would get NaN bytes (Limitations 6)
         live = (into or {}).get("weight")
         if not (
             type(live) is cls
@@ -508,15 +579,19 @@ class TorchaoLinearMethod(QuantMethod):
         (Limitations 5); else ``into`` is not used.
 
         Raises:
-            NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf.
+            NonFiniteWeightError: the weight or another parameter (the bias) holds NaN or Inf, or torchao quantized
+                the finite weight to NaN or Inf (an all-zero row in float8, Limitations 6; the message names the
+                scheme). Raised before anything is written into ``into``.
         """
         check_finite(layer, skip=("weight",))  # the weight's own check is in quantize_rows
         if weight_pieces is not None:
             quantized = self._quantize_pieces(weight_pieces, layer.weight, into)
         else:
             quantized = self.quantize_rows(layer.weight.data)
-        del layer.weight
         live = quantized if isinstance(quantized, nn.Parameter) else None  # the live weight, written in place
+        if live is None:  # a live weight was checked before its bytes were written (_quantize_pieces)
+            check_quantized(quantized, self.name)
+        del layer.weight
         layer.weight = live if live is not None else nn.Parameter(quantized, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

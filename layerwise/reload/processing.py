@@ -37,7 +37,7 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         raise MissingWeightError("incomplete module: " + "; ".join(missing), key=key)
     quant_method = getattr(module, "quant_method", None)
     live = info.kernel_tensors if info.kernel_tensors and not session.atomic else None  # written right away
-    pieces = finite = None
+    pieces = finite = staging = None
     if live is not None and _loads_into_kernel_tensors(module, info):
         # processing only checks these parameters: the loads are replayed straight into the live tensors
         materialize_layer(module, info, session.device, into=live)
@@ -87,8 +87,8 @@ def _process_module(module: nn.Module, info: LayerReloadingInfo, key: str | None
         info.in_place = info.in_place or any(_same_memory(t, live[n]) for n, t in processed.items())
         _commit(module, info, processed)
     else:
-        if session.staging is not None:
-            session.staging.release(module)  # the next module reuses the buffer: copy out what lives there (a bias)
+        if staging is not None:  # materialized in the buffer, which the next module reuses: copy out what lives there
+            staging.release(module)  # (a bias); a module materialized elsewhere holds nothing of it (a torchao weight)
         processed = layer_tensors(module)
         if info.kernel_tensors:  # atomic: committed at finalize
             _check_kernel_format(info, processed)

@@ -210,7 +210,7 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         if queued:
             failed = _failed_deferred(session)  # what the device found in those
     if failed:
-        message = _non_finite_message(failed, session.atomic)
+        message = _non_finite_message(failed, session.atomic) + _made_by_quantization(session, failed)
         error = NonFiniteWeightError(message, key=_find_non_finite_key(failed[0].loads))
         updated = abort_layerwise_reload(model)
         if session.first_load:
@@ -246,6 +246,21 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
         _close(info)
     _end_session(model)
     return session
+
+
+def _made_by_quantization(session: ReloadSession, failed: list) -> str:
+    """A note naming each failed module whose loaded values are all finite, with its scheme: its quantization made
+    the NaN or Inf (torchao's float8 of an all-zero row, ``quant/torchao.py`` Limitations 6); "" when there is none.
+    Reads the modules' loads (an error path)."""
+    made = [
+        p for p in _failed_modules(failed) if not any(_find_non_finite_key(c.loads) for c in failed if c.prefix == p)
+    ]
+    if not made:
+        return ""
+    named = ", ".join(
+        f"{p} ({getattr(getattr(session.modules[p], 'quant_method', None), 'name', 'none')})" for p in made
+    )
+    return f"; the loaded values of {named} are finite: the quantization made the NaN or Inf"
 
 
 def abort_layerwise_reload(model: nn.Module) -> list[str]:
