@@ -202,7 +202,7 @@ def perplexity_ids(tokenizer, vocab_size: int, tokens: int, seed: int) -> tuple[
         return torch.randint(0, vocab_size, (tokens,), generator=g).tolist(), "random token ids (no tokenizer)"
     from layerwise.texts import real_text
 
-    ids = tokenizer(real_text(), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(real_text(), add_special_tokens=False, verbose=False)["input_ids"]  # longer than the context
     return ids[:tokens], "layerwise.texts.real_text()"
 
 
@@ -585,7 +585,7 @@ def plot(result: dict, path: Path) -> Path:
             if r["kv_cache_dtype"] != kv:
                 continue
             counts = hist["counts"][f"{r['scheme']} / kv {kv}"]
-            ax.stairs([max(c, 0.5) if c else 0 for c in counts], edges, label=r["scheme"], linewidth=1.4)
+            ax.stairs(counts, edges, label=r["scheme"], linewidth=1.4)
         if edges and edges[-1] > math.log(TIS_CAP):
             ax.axvline(math.log(TIS_CAP), color="grey", linestyle="--", linewidth=1, label="r = 2 (TIS cap)")
         ax.set_yscale("log")

@@ -211,6 +211,29 @@ def test_transformers_reference_agrees_with_ours(ckpt):
     assert row["perplexity"] == pytest.approx(row["reference_perplexity"], rel=1e-5)
 
 
+def test_real_text_prompts_and_perplexity_with_a_tokenizer(tmp_path):
+    """A checkpoint with a tokenizer: prompts are passages of layerwise.texts, perplexity is on its real text."""
+    path = write_checkpoint(tmp_path / "text", {**TINY_F32, "vocab_size": 512}, tokenizer=True)
+    result = mismatch.run(
+        path,
+        schemes=["none"],
+        kv_cache_dtypes=["auto"],
+        num_prompts=2,
+        max_tokens=4,
+        perplexity_tokens=64,
+        log=lambda line: None,
+        **FLOAT32,
+    )
+    p = result["problem"]
+    assert (
+        p["prompt_source"].startswith("layerwise.texts.prompts")
+        and p["perplexity_text"] == "layerwise.texts.real_text()"
+    )
+    assert p["perplexity_tokens"] == 64 and p["prompt_tokens"][0] > 24  # 24 words: more than 24 byte-level tokens
+    (row,) = result["results"]
+    assert row["tokens"] == 8 and row["perplexity"] == pytest.approx(row["reference_perplexity"], rel=1e-5)
+
+
 # ---- command line
 
 
