@@ -529,24 +529,40 @@ def _line(row: dict) -> str:
     )
 
 
-def table(result: dict) -> str:
-    """The results as a markdown table, one row per configuration."""
-    head = (
-        "| scheme | KV cache | tokens | mean KL | mean abs dlogp | max abs dlogp | r p1 | r p50 | r p99 | r > 2 "
-        "| top-1 agree | seq log-ratio mean | mean abs | max abs | decode/prefill max abs dlogp | perplexity "
-        "| reference ppl |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-    )
-    lines = [head]
+#: the table's columns: (header, key, format); COMPACT: the ones the README's front-door table shows
+COLUMNS = [
+    ("scheme", "scheme", "s"),
+    ("KV cache", "kv_cache_dtype", "s"),
+    ("tokens", "tokens", "d"),
+    ("mean KL", "mean_kl", ".3g"),
+    ("mean abs dlogp", "mean_abs_logprob_diff", ".3g"),
+    ("max abs dlogp", "max_abs_logprob_diff", ".3g"),
+    ("r p1", "ratio_p1", ".3f"),
+    ("r p50", "ratio_p50", ".3f"),
+    ("r p99", "ratio_p99", ".3f"),
+    ("r > 2", "frac_ratio_above_2", ".2%"),
+    ("top-1 agree", "top1_agreement", ".1%"),
+    ("seq log-ratio mean", "sequence_log_ratio_mean", ".3g"),
+    ("mean abs", "sequence_log_ratio_mean_abs", ".3g"),
+    ("max abs", "sequence_log_ratio_max_abs", ".3g"),
+    ("decode/prefill max abs dlogp", "rollout_logprob_consistency", ".3g"),
+    ("perplexity", "perplexity", ".2f"),
+    ("reference ppl", "reference_perplexity", ".2f"),
+]
+COMPACT = ["scheme", "kv_cache_dtype", "mean_kl", "ratio_p1", "ratio_p99", "frac_ratio_above_2", "top1_agreement"]
+COMPACT += ["perplexity", "reference_perplexity"]
+
+
+def table(result: dict, compact: bool = False) -> str:
+    """The results as a markdown table, one row per configuration: every figure, or with ``compact`` the
+    :data:`COMPACT` columns (scheme, KV cache, mean KL, r p1 / p99, r > 2, top-1 agreement, perplexities)."""
+    columns = [c for c in COLUMNS if not compact or c[1] in COMPACT]
+    lines = [
+        "| " + " | ".join(header for header, _, _ in columns) + " |",
+        "|" + "|".join("---" if fmt == "s" else "---:" for _, _, fmt in columns) + "|",
+    ]
     for r in result["results"]:
-        lines.append(
-            f"| {r['scheme']} | {r['kv_cache_dtype']} | {r['tokens']} | {_g(r['mean_kl'])} "
-            f"| {_g(r['mean_abs_logprob_diff'])} | {_g(r['max_abs_logprob_diff'])} | {_g(r['ratio_p1'], '.4f')} "
-            f"| {_g(r['ratio_p50'], '.4f')} | {_g(r['ratio_p99'], '.4f')} | {_g(r['frac_ratio_above_2'], '.2%')} "
-            f"| {_g(r['top1_agreement'], '.2%')} | {_g(r['sequence_log_ratio_mean'])} "
-            f"| {_g(r['sequence_log_ratio_mean_abs'])} | {_g(r['sequence_log_ratio_max_abs'])} "
-            f"| {_g(r['rollout_logprob_consistency'])} | {_g(r['perplexity'], '.2f')} "
-            f"| {_g(r['reference_perplexity'], '.2f')} |"
-        )
+        lines.append("| " + " | ".join(_g(r.get(key), fmt) for _, key, fmt in columns) + " |")
     return "\n".join(lines)
 
 
