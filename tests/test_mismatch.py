@@ -187,6 +187,8 @@ def test_result_json_keys_table_and_plot(result, tmp_path):
     assert all(sum(c) == 48 for c in hist["counts"].values()) and len(hist["edges"]) == mismatch.HISTOGRAM_BINS + 1
     md = mismatch.table(result)
     assert md.count("\n") == 1 + len(result["results"]) and "| fp8-per-tensor | fp8 | 48 |" in md
+    compact = mismatch.table(result, compact=True).splitlines()
+    assert compact[0].count("|") == len(mismatch.COMPACT) + 1 and compact[-1].startswith("| fp8-per-tensor | fp8 | ")
     png = mismatch.plot(result, tmp_path / "m.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
