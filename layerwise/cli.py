@@ -243,6 +243,7 @@ def _generate(args) -> int:
         tokenizer=tokenizer if tokenizer is not None else False,
         quantization=args.quantization,
         device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if len(prompts) == 1 and args.n == 1:
         return _stream_one(engine, prompts[0], params)
@@ -552,6 +553,12 @@ def _generate_options(gen: argparse.ArgumentParser) -> None:
         "--logprobs", type=int, default=None, metavar="K", help="print each token's logprob and the K most likely"
     )
     _add_quantization(gen)
+    gen.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="KV cache: auto (the model's dtype) or fp8 (e4m3, per-layer scales calibrated at load; half the bytes)",
+    )
     gen.add_argument("--device", default="cpu", help=DEVICE_HELP)
     gen.add_argument(
         "--max-batch-size", type=int, default=None, help="KV cache slots (default: every completion, at most 8)"

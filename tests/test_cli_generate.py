@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from layerwise.cli import main
 from layerwise.demo import PROMPT_TEXT, demo_checkpoint, write_checkpoint
@@ -223,3 +224,21 @@ def test_help_lists_generate(capsys):
     out = capsys.readouterr().out
     for option in ("--prompt-ids", "--prompt-file", "--chat", "--logprobs", "--seed", "--max-seq-len"):
         assert option in out
+
+
+def test_an_fp8_kv_cache_reaches_the_engine(no_tokenizer, monkeypatch, capsys):
+    """--kv-cache-dtype fp8: the engine the CLI generates with stores its cache in e4m3."""
+    from layerwise.engine import Engine
+
+    made = []
+    real = Engine.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        made.append(real(cls, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(spy))
+    argv = ["generate", no_tokenizer, "--prompt-ids", "1,2,3", "--max-tokens", "5", "--temperature", "0"]
+    assert main([*argv, "--kv-cache-dtype", "fp8", "--quantization", "none"]) == 0
+    assert SUMMARY.search(capsys.readouterr().out).groups() == ("length", "5")
+    assert made[0].kv_caches[0].k.dtype == torch.float8_e4m3fn and made[0].kv_scales() is not None
