@@ -695,6 +695,23 @@ Run with {_provenance(ro)}, {threads} thread(s), {ro["total_seconds"]:.0f} s in 
 Target: FP8 tokens/s >= {t["fp8_over_bf16"]}x the BF16 engine's, each scheme, at {batches}: {verdict}."""
 
 
+def _mismatch(mm: dict, results: Path, readme: Path) -> str:
+    """The rollout / reference mismatch section (benchmarks/mismatch.py) of one model's CPU run: what ran, the
+    table, the plot of the importance ratios."""
+    from layerwise.benchmarks.mismatch import describe, table
+
+    png = results.resolve() / f"mismatch_cpu_{mm['model']}.png"
+    image = ""
+    if png.exists():
+        relative = Path(os.path.relpath(png, readme.resolve().parent)).as_posix()
+        image = f"\n\n![log importance ratio per scheme]({relative})"
+    return f"""### Rollout / reference mismatch (CPU, {mm["model"]})
+
+{describe(mm)} Reproduce with `layerwise mismatch [PATH]` or `python -m layerwise.benchmarks.mismatch`.
+
+{table(mm)}{image}"""
+
+
 def _calls(ro: dict) -> str:
     repeats = ro.get("repeats", 1)
     return "the timed call" if repeats == 1 else f"{repeats} timed calls (the fastest counts), each"
@@ -873,6 +890,8 @@ def section(results: Path, readme: Path) -> str:
         parts.append(_moe_load(ml))
     if ("rollout", "cpu") in latest:
         parts.append(_rollout(latest[("rollout", "cpu")][1]))
+    for mm in _latest_per_size(results, "mismatch"):
+        parts.append(_mismatch(mm, results, readme))
     if ("suite", "cpu") in latest:
         parts.append(_targets(latest[("suite", "cpu")][1], "CPU"))
     for device in sorted({d for b, d in latest if d != "cpu" and b in GPU_BENCHMARKS}):
