@@ -805,6 +805,20 @@ def _headline_column(latest: dict, device: str) -> dict[str, str]:
     }
 
 
+def _mismatch_cell(mm: dict) -> str:
+    """The headline's mismatch cell: the default scheme's figures with the BF16 KV cache, on a trained model."""
+    row = next(
+        (r for r in mm.get("results", []) if r["scheme"] == HEADLINE_SCHEME and r["kv_cache_dtype"] == "auto"), None
+    )
+    if row is None:
+        return "not measured"
+    return (
+        f"KL {row['mean_kl']:.3f}, r {row['ratio_p1']:.2f}-{row['ratio_p99']:.2f}, "
+        f"perplexity {row['perplexity'] / row['reference_perplexity']:.3f}x; {mm['model']}, {row['tokens']} tokens, "
+        f"{mm.get('date', '')[:10]}, commit {mm.get('commit', 'unknown')}"
+    )
+
+
 def _rollout_cell(ro: dict, size: str | None) -> str:
     """The headline's rollout cell: FP8 (HEADLINE_SCHEME) tokens/s over BF16 at the largest batch run, the BF16
     engine over transformers, and where and when it ran when that is not the column's checkpoint or run."""
@@ -829,6 +843,7 @@ _HEADLINE_ROWS = [
     ("sync", "weight sync, trainer process -> engine (packed) / broadcast floor"),
     ("decode", "decode step, FP8 W8A8 / BF16 (batch 8, CUDA graph)"),
     ("rollout", "rollout tokens/s, FP8 / BF16 (`Engine.generate`; higher is better)"),
+    ("mismatch", "FP8 rollouts vs the BF16 policy: mean KL, importance ratio p1-p99, perplexity / BF16's"),
     ("when", "measured"),
 ]
 
@@ -851,6 +866,10 @@ def headline_section(results: Path) -> str:
         where = d if d != "cpu" else f"CPU, {suite['machine']['cpu_count']} cores"
         heads.append(f"{where}, {suite.get('size')} checkpoint")
     columns = [_headline_column(latest, d) for d in devices]
+    # the newest mismatch run on a trained model (not the demo's random weights) per device
+    trained = latest_results(results, by=lambda d: (d["benchmark"], device_key(d), d.get("model") != "demo"))
+    for column, d in zip(columns, devices, strict=True):
+        column["mismatch"] = _mismatch_cell(trained.get(("mismatch", d, True), (None, {}))[1])
     lines = ['| `quantization="fp8"` | ' + " | ".join(heads) + " |", "|---" + "|---:" * len(devices) + "|"]
     lines += [f"| {label} | " + " | ".join(c[key] for c in columns) + " |" for key, label in _HEADLINE_ROWS]
     wt = latest.get(("weight_transfer", "cpu"), (None, {}))[1]

@@ -100,7 +100,9 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
    and a trainer reuse, the batch's memory; and it still copies a device tensor it buffers across batches to
    the host (``borrow_device_tensors=False``), a copy that waits for the device. Unit-wise modules (9) defer
    theirs too, a flag per processing call (one expert, or a module's queued experts at once), and are named
-   once however many of their experts held a NaN.
+   once however many of their experts held a NaN. The checks of what a quantization produced from finite
+   weights (torchao's float8 makes NaN from an all-zero row, quant/torchao.py Limitations 6) are deferred the
+   same way and named with the module and the scheme at finalize.
 13. A checkpoint directory may change while it is read (a trainer writing its next checkpoint into it). Each
    shard's size, ``st_mtime_ns`` and inode (``st_dev``, ``st_ino``) are recorded when the ``Checkpoint`` opens
    it (``checkpoint.FileIdentity``) and compared (``fstat`` of the open descriptor, ``stat`` of the path)
