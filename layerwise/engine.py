@@ -327,12 +327,13 @@ class Engine:
         reference policy (``layerwise.benchmarks.mismatch``).
 
         Args:
-            sequences: token-id lists (or a 2-D integer tensor), each of 2 to max_seq_len - 1 tokens.
+            sequences: token-id lists (or a 2-D integer tensor), each of 2 to max_seq_len tokens (a completion that
+                stopped at max_seq_len included: its last token is scored, never fed).
         Returns:
             one float32 [len - 1, vocab] per sequence on the engine's device: row j holds the logits predicting
             token j + 1.
         Raises:
-            ValueError: a sequence shorter than 2 or of max_seq_len tokens or more, an id outside the vocabulary.
+            ValueError: a sequence shorter than 2 or longer than max_seq_len, an id outside the vocabulary.
         """
         self._refuse_nested_update()
         if isinstance(sequences, torch.Tensor):
@@ -340,9 +341,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         sequences = [[int(t) for t in seq] for seq in sequences]
         for i, seq in enumerate(sequences):
-            if not 2 <= len(seq) < self.max_seq_len or not all(0 <= t < vocab for t in seq):
+            if not 2 <= len(seq) <= self.max_seq_len or not all(0 <= t < vocab for t in seq):
                 raise ValueError(
-                    f"sequence {i}: needs 2 to {self.max_seq_len - 1} tokens with ids in [0, {vocab}), "
+                    f"sequence {i}: needs 2 to {self.max_seq_len} tokens with ids in [0, {vocab}), "
                     f"got {len(seq)} tokens"
                 )
         out = []
@@ -356,9 +357,10 @@ class Engine:
                     and (stop + 1 - start) * max(map(len, sequences[start : stop + 1])) <= self.max_num_batched_tokens
                 ):
                     stop += 1
+                fed = [seq[:-1] for seq in sequences[start:stop]]  # the last token is only scored
                 with self._step_lock():
-                    _, full = self.runner.prefill(sequences[start:stop], 0, range(stop - start))
-                out.extend(full[i] for i in range(stop - start))
+                    last, full = self.runner.prefill(fed, 0, range(stop - start))
+                out.extend(torch.cat([full[i], last[i : i + 1]]) for i in range(stop - start))
                 start = stop
         return out
 
@@ -510,8 +512,11 @@ class Engine:
                         self._prefill(scheduler, admitted)
                     else:
                         self._decode(scheduler)
-                    for src, dst, length in scheduler.retire():
-                        self.runner.copy_slot(src, dst, length)
+                    moves = scheduler.retire()
+                    if moves:  # under the lock: an update re-encodes an FP8 cache in place between steps
+                        with self._step_lock():
+                            for src, dst, length in moves:
+                                self.runner.copy_slot(src, dst, length)
                     if use_tqdm:
                         finished = sum(r.finished for r in requests)
                         bar.update(finished - done)
@@ -526,13 +531,13 @@ class Engine:
         first = len(scheduler.running)
         prompts = [r.prompt_token_ids for r in admitted]
         full_rows = [i for i, r in enumerate(admitted) if r.params.prompt_logprobs is not None]
-        with self._step_lock() as version:
+        with self._step_lock() as version:  # the copies too: an update re-encodes an FP8 cache between steps
             logits, full = self.runner.prefill(prompts, first, full_rows)
+            placed = scheduler.place(admitted)
+            for slot, (seq, row) in enumerate(placed[len(admitted) :], start=first + len(admitted)):
+                self.runner.copy_slot(first + row, slot, len(seq.request.prompt_token_ids))
         for i, row_logits in full.items():
             admitted[i].prompt_logprobs = self._prompt_logprobs(admitted[i], row_logits)
-        placed = scheduler.place(admitted)
-        for slot, (seq, row) in enumerate(placed[len(admitted) :], start=first + len(admitted)):
-            self.runner.copy_slot(first + row, slot, len(seq.request.prompt_token_ids))
         rows = torch.tensor([row for _, row in placed], device=logits.device)
         seqs = [seq for seq, _ in placed]
         self._sample(seqs, logits.index_select(0, rows), version)
@@ -633,16 +638,16 @@ class Engine:
         what it did after the change (the FP8 KV cache's recalibration, which runs before the lock is released).
         """
         self._begin_update(wait_for_generate, wait_timeout)
-        changed = False
+        changed, error = False, None
         scope = UpdateScope()
         try:
             yield scope
             changed = True
         except BaseException as e:
-            changed = _overwrote_something(e)
+            changed, error = _overwrote_something(e), e
             raise
         finally:
-            self._end_update(changed, holds_generations=wait_for_generate, report=scope.report)
+            self._end_update(changed, holds_generations=wait_for_generate, report=scope.report, error=error)
 
     @contextlib.contextmanager
     def _step_lock(self):
@@ -670,13 +675,27 @@ class Engine:
                 self._release_generations()
             raise
 
-    def _end_update(self, changed: bool, *, holds_generations: bool, report: ReloadReport | None = None) -> None:
+    def _end_update(
+        self,
+        changed: bool,
+        *,
+        holds_generations: bool,
+        report: ReloadReport | None = None,
+        error: BaseException | None = None,
+    ) -> None:
         """Count the version and recalibrate the FP8 KV cache's scales to the new weights (still under the weights
-        lock, so a step sees neither before the other), then let forward steps and generations run again."""
+        lock, so a step sees neither before the other), then let forward steps and generations run again.
+        ``error``: the update's own error, being raised; a failed calibration is then added to it as a note
+        instead of replacing it (its ``updated_modules`` stay where the caller looks)."""
         try:
             if changed:
                 self._weight_version += 1
-                self._recalibrate_kv_scales(report)
+                try:
+                    self._recalibrate_kv_scales(report)
+                except Exception as e:
+                    if error is None:
+                        raise
+                    error.add_note(f"then the FP8 KV cache's recalibration failed too (scales unchanged): {e}")
         finally:
             self._weights_lock.release()
             if holds_generations:
@@ -855,16 +874,16 @@ class Engine:
         ``updated_modules``, or what a failed ``receive`` had written before it closed the update)."""
         from layerwise.transfer import finish_weight_update
 
-        update, changed, report = self._open_update, False, None
+        update, changed, report, error = self._open_update, False, None, None
         try:
             report = finish_weight_update(self.model)
             changed = True
             return report
         except BaseException as e:
-            changed = _overwrote_something(e) or bool(update is not None and update.updated)
+            changed, error = _overwrote_something(e) or bool(update is not None and update.updated), e
             raise
         finally:
-            self._release_update_lock(changed, report)
+            self._release_update_lock(changed, report, error)
 
     def abort_weight_update(self) -> list[str]:
         """Abort the open update and let forward steps run again; returns the modules it had already
@@ -894,12 +913,14 @@ class Engine:
                 "update_weights wait for it)"
             )
 
-    def _release_update_lock(self, changed: bool, report: ReloadReport | None = None) -> None:
+    def _release_update_lock(
+        self, changed: bool, report: ReloadReport | None = None, error: BaseException | None = None
+    ) -> None:
         if self._open_update is not None:
             holds_generations = self._open_update_holds_generations
             self._update_owner = None
             self._open_update, self._open_update_holds_generations = None, False
-            self._end_update(changed, holds_generations=holds_generations, report=report)
+            self._end_update(changed, holds_generations=holds_generations, report=report, error=error)
 
 
 @dataclass

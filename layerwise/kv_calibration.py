@@ -88,7 +88,8 @@ def measure_kv_amax(model, prompts: list[list[int]]) -> torch.Tensor:
     Args:
         model: a ``CausalLM`` from :func:`layerwise.load_model`; prompts: token-id lists.
     Returns:
-        float32 [layers, 2] (K, V) on the model's device.
+        float32 [layers, 2] (K, V) on the model's device. Under tensor parallelism, over every rank's KV heads (one
+        all-reduce over ``model.tp.group``, which every rank calls): each rank gets the scales of a TP=1 engine.
     """
     layers = model.model.layers
     attn = layers[0].self_attn
@@ -107,6 +108,11 @@ def measure_kv_amax(model, prompts: list[list[int]]) -> torch.Tensor:
         ]
         tokens = torch.tensor([ids], dtype=torch.long, device=embed.device)
         model.model(tokens, torch.arange(t, device=embed.device)[None], scratch)
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:  # each rank holds some KV heads: the layer's amax is the largest of them
+        import torch.distributed as dist
+
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
     return amax
 
 

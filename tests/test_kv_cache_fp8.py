@@ -186,3 +186,37 @@ def test_fp8_engine_greedy_close_to_bf16_and_teacher_forcing_matches_generate(ll
 def test_kv_cache_dtype_is_checked_before_loading(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of 'auto', 'fp8', got 'fp16'"):
         Engine.from_pretrained(tmp_path / "missing", kv_cache_dtype="fp16")
+
+
+def test_a_completion_that_filled_the_context_is_scored(llama):
+    """teacher_forced_logits takes sequences of max_seq_len tokens (a completion stopped by the context's end)."""
+    eng = engine(llama, "fp8", dtype=torch.float32, max_seq_len=16)
+    prompt = [5, 9, 2, 7]
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=None, ignore_eos=True, logprobs=0)
+    out = eng.generate([prompt], params)[0].outputs[0]
+    sequence = prompt + out.token_ids
+    assert out.finish_reason == "length" and len(sequence) == 16
+    logits = eng.teacher_forced_logits([sequence, sequence[:2]])
+    assert [tuple(x.shape) for x in logits] == [(15, 128), (1, 128)]
+    forced = torch.log_softmax(logits[0][-1], -1)[sequence[-1]]
+    assert abs(float(forced) - out.logprobs[-1][sequence[-1]].logprob) < 2e-3
+
+
+def test_a_failed_calibration_does_not_hide_the_update_error(llama, monkeypatch):
+    """A non-atomic reload that fails after writing modules raises its ReloadError (with updated_modules) even when
+    the calibration after it fails too; that failure is a note on it."""
+    import layerwise.engine as engine_module
+    from layerwise.errors import ReloadError
+
+    eng = engine(llama, "fp8", dtype=torch.float32)
+    weights = _scaled(llama, 1.0, 1.0)
+    weights = [(n, t.clone().fill_(float("nan")) if n.startswith("model.layers.1.") else t) for n, t in weights]
+
+    def broken(*args, **kwargs):
+        raise FloatingPointError("calibration broke")
+
+    monkeypatch.setattr(engine_module, "calibrate_kv_scales", broken)
+    with pytest.raises(ReloadError) as info:
+        eng.reload_weights(weights)
+    assert info.value.updated_modules and any("calibration broke" in n for n in info.value.__notes__)
+    assert eng.weight_version == 1

@@ -7,9 +7,10 @@ kv_calibration.py) and rewritten in place after every weight change, so a captur
 by address stays valid (FP8-RL, arXiv 2601.18150, recalibrates Q/K/V scales every RL step). A value beyond the
 calibrated range is clamped to +-448 (never Inf or NaN) and counted.
 
-Attention never dequantizes the cache: softmax(q . (k8 * ks)) = softmax((q * ks) . k8), and
-softmax(...) @ (v8 * vs) = (softmax(...) @ v8) * vs, so the scales fold into the query and the output
-(e4m3 values are exact in BF16 and float16: 3 mantissa bits, exponents within range).
+Attention never multiplies the scales into the cache: softmax(q . (k8 * ks)) = softmax((q * ks) . k8), and
+softmax(...) @ (v8 * vs) = (softmax(...) @ v8) * vs, so the scales fold into the query and the output; the FP8
+bytes are only cast to the model's dtype (exact: e4m3's 3 mantissa bits and its exponents fit BF16 and float16),
+one layer at a time inside its attention call.
 """
 
 from __future__ import annotations

@@ -252,3 +252,20 @@ def test_a_tp_engine_samples_the_same_tokens_on_every_rank(tp2, hf_checkpoint):
     single = Engine(layerwise.load_model(path, quantization=None, dtype="float32"), max_batch_size=2, max_seq_len=32)
     seeded = single.generate(prompts[1], SamplingParams(temperature=1.0, max_tokens=8, seed=5))[0].outputs[0]
     assert ranks[0][1] == seeded.token_ids
+
+
+def test_a_tp_engine_calibrates_the_fp8_kv_cache_as_tp1(tp2, hf_checkpoint):
+    """kv_cache_dtype="fp8" under TP: each rank holds some KV heads, and the ranks agree on the amax of all of them,
+    so every rank's scales equal a TP=1 engine's (not its own heads' range), and so do the greedy tokens."""
+    from layerwise.engine import Engine
+    from layerwise.sampling_params import SamplingParams
+
+    _, path = hf_checkpoint
+    prompt = [1, 5, 9, 2]
+    ranks = tp2.run(workers.engine_kv_scales, str(path), prompt)
+    model = layerwise.load_model(path, quantization=None, dtype="float32")
+    single = Engine(model, max_batch_size=1, max_seq_len=32, kv_cache_dtype="fp8")
+    (out,) = single.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for scales, tokens in ranks:
+        torch.testing.assert_close(scales, single.kv_scales(), rtol=1e-6, atol=0)
+        assert tokens == out.outputs[0].token_ids

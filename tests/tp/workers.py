@@ -115,3 +115,13 @@ def engine_sample(group, path, prompts, seed_rank_rng):
     params = [SamplingParams(temperature=1.0, max_tokens=8), SamplingParams(temperature=1.0, max_tokens=8, seed=5)]
     params += [SamplingParams(temperature=1.0, max_tokens=6)] * (len(prompts) - 2)
     return [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+
+
+def engine_kv_scales(group, path, prompt):
+    """A TP engine with an FP8 KV cache: this rank's calibrated scales and its greedy tokens."""
+    from layerwise.sampling_params import SamplingParams
+
+    model = layerwise.load_model(path, quantization=None, dtype="float32", tp_group=group)
+    engine = Engine(model, max_batch_size=1, max_seq_len=32, kv_cache_dtype="fp8")
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    return engine.kv_scales(), out.outputs[0].token_ids
