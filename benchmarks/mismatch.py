@@ -120,7 +120,7 @@ def summarize(
             log-probabilities; top1: [N] bool agreement; lengths: tokens per sequence, in order (summing to N).
     """
     diff = reference_logprobs.double().cpu() - rollout_logprobs.double().cpu()  # log r_t
-    ratios = diff.exp()
+    ratios = importance_ratios(reference_logprobs.cpu(), rollout_logprobs.cpu())
     quantiles = torch.quantile(ratios, torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
     per_sequence = torch.stack([d.sum() for d in diff.split(list(lengths))])
     return {
@@ -651,20 +651,10 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
-def dtype_name(text: str) -> str:
-    """argparse type: a dtype name layerwise accepts (layerwise.dtypes)."""
-    from layerwise.dtypes import parse_dtype
-
-    try:
-        parse_dtype(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-    return text
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options ``layerwise mismatch`` and ``python -m layerwise.benchmarks.mismatch`` share."""
     from layerwise.benchmarks.options import positive_int
+    from layerwise.cli import dtype_argument
 
     parser.add_argument(
         "path",
@@ -707,12 +697,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reference-dtype",
-        type=dtype_name,
+        type=dtype_argument,
         default=None,
         help="the reference's dtype: bfloat16 | float32 (default: the checkpoint's)",
     )
     parser.add_argument(
-        "--dtype", type=dtype_name, default=None, help="the rollout engines' dtype (default: the checkpoint's)"
+        "--dtype", type=dtype_argument, default=None, help="the rollout engines' dtype (default: the checkpoint's)"
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument(

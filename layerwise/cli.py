@@ -74,7 +74,9 @@ def _add_quantization(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _dtype(text: str) -> str:
+def dtype_argument(text: str) -> str:
+    """argparse type of a --dtype option: the name if layerwise accepts it (layerwise.dtypes), else an argparse
+    error listing the names."""
     from layerwise.dtypes import parse_dtype
 
     try:
@@ -496,7 +498,9 @@ def _load_options(load: argparse.ArgumentParser) -> None:
     load.add_argument("path", help="directory with config.json and *.safetensors")
     _add_quantization(load)
     load.add_argument("--device", default="cpu", help=DEVICE_HELP)
-    load.add_argument("--dtype", default=None, type=_dtype, help="bfloat16 | float16 | float32 (default: config.json)")
+    load.add_argument(
+        "--dtype", default=None, type=dtype_argument, help="bfloat16 | float16 | float32 (default: config.json)"
+    )
     load.add_argument(
         "--kernel",
         default=None,
