@@ -28,6 +28,8 @@ Over all generated tokens t (log-probabilities from float32 ``log_softmax``):
   rollout_logprob_consistency  max |generate's logp_rollout(t) - the rollout engine's teacher-forced logp(t)| (the
                                decode path against the prefill path of the same engine: the part of the mismatch
                                that is numerics, not quantization)
+  kv_clamped_fraction          FP8 KV cache: the fraction of keys and values the rollouts' generate clamped to +-448
+                               (beyond the range calibrated on the built-in text); None with "auto"
   perplexity,                  of the rollout model and of the reference on the real text (``--perplexity-tokens``
   reference_perplexity         tokens in windows of ``--window`` tokens, teacher-forced, each window's first token
                                unpredicted): exp(mean negative log-likelihood)
@@ -418,6 +420,7 @@ def run(
             kv_cache_dtype=kv,
         )
         sequences, prompt_lengths, generated = rollouts(engine, prompt_ids, max_tokens, seed)
+        clamped = engine.kv_clamped_fraction if kv == "fp8" else None  # of the rollouts' generate
         figures, log_r = compare(engine_scorer(engine), reference_scorer, sequences, prompt_lengths, generated, batch)
         row = {
             "scheme": scheme if scheme == "none" else _canonical(scheme),
@@ -426,6 +429,7 @@ def run(
             **figures,
             "perplexity": perplexity_of(engine_scorer(engine), windows, batch) if windows else None,
             "reference_perplexity": reference_ppl,
+            "kv_clamped_fraction": clamped,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "seconds": time.monotonic() - start,
         }

@@ -177,6 +177,8 @@ def test_result_json_keys_table_and_plot(result, tmp_path):
     ]
     for row in result["results"]:
         assert keys <= set(row) and row["model"] == result["model"] == "ckpt"
+        clamped = row["kv_clamped_fraction"]  # the FP8 cache's own count; nothing with the model's dtype
+        assert clamped is None if row["kv_cache_dtype"] == "auto" else 0 <= clamped < 0.01
     assert result["benchmark"] == "mismatch" and result["reference"] == {
         "kind": "ours",
         "dtype": "float32",
