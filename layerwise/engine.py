@@ -125,7 +125,6 @@ class Engine:
         self._update_owner: int | None = None
         self._open_update_holds_generations = False  # it was started with wait_for_generate
         self.transfer_engine = None  # set by init_weight_transfer_engine
-        self.kv_cache_dtype = kv_cache_dtype
         self._kv_clamped_fraction = 0.0
         self._calibration_ids = None  # fp8: the calibration prompts' token ids
         if kv_cache_dtype == "fp8":
@@ -210,6 +209,11 @@ class Engine:
         max_seq_len, kv_heads, head_dim] of the model's dtype, or float8_e4m3fn with its ``k_scale`` /
         ``v_scale`` (kv_cache_dtype="fp8")."""
         return self.runner.kv_caches
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """ "auto" (the model's dtype) or "fp8" (e4m3 with per-layer scales): the runner's, set at creation."""
+        return self.runner.kv_cache_dtype
 
     def kv_scales(self) -> torch.Tensor | None:
         """The FP8 KV cache's scales, a float32 CPU copy [layers, 2] (column 0: K, 1: V; stored value x scale =
