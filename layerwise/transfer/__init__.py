@@ -2,7 +2,8 @@
 
 Modules: ``base`` (WeightTransferEngine, the init/update info dataclasses, requests, transport errors),
 ``update`` (the engine side: start_weight_update / WeightUpdate.receive / finish_weight_update, and
-update_weights), ``factory`` (WeightTransferEngineFactory, lazy), ``packed_tensor`` (the bucket layout),
+update_weights), ``factory`` (WeightTransferEngineFactory, lazy), ``packed_tensor`` (the bucket layout, and
+vLLM's ``packed_broadcast_producer`` / ``packed_broadcast_consumer``),
 ``nccl`` (broadcast over a group of its own: NCCL on CUDA, gloo on CPU), ``ipc`` (CUDA IPC / shared memory).
 The backends ``nccl`` and ``ipc`` are imported only by ``WeightTransferEngineFactory.create_engine``.
 
@@ -32,8 +33,9 @@ Guarantees, and the limits that come with them (code that enforces one says "Lim
 4. Tied embeddings: ``lm_head.weight`` and ``model.embed_tokens.weight`` name one tensor, which stays one
    tensor. In checkpoint format whichever name arrives first in an update is loaded and the other is
    skipped (their values are not compared); in kernel format both names write that tensor, the last wins.
-5. The ipc backend unpickles and maps handles sent by the trainer: it works only with
-   ``allow_pickled_handles=True`` and must never receive handles from an untrusted process. CPU shared
+5. The ipc backend maps handles sent by the trainer, and unpickles them when they come pickled
+   (``ipc_handles_pickled``) only with an opt-in: ``allow_pickled_handles=True`` in its init info, or vLLM's
+   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; it must never receive handles from an untrusted process. CPU shared
    memory is /dev/shm (Linux), in segments named ``<segment_prefix>_<n>`` after the init info's prefix
    (drawn fresh as ``layerwise_<16 hex>`` unless given; pass it to the trainer as ``segment_prefix``). The
    trainer unlinks its segment when its send returns or raises; the engine removes exactly its prefix's

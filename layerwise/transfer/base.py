@@ -133,7 +133,13 @@ class WeightTransferUpdateRequest:
     update_info: dict[str, Any] = field(default_factory=dict)
 
 
-def _parse_dataclass(cls: type, values: dict[str, Any], what: str, owner: str):
+def parse_dataclass(cls: type, values: dict[str, Any], what: str, owner: str):
+    """An instance of dataclass ``cls`` from ``values`` (returned as is when it already is one).
+
+    Raises:
+        ValueError: not a dict, a field ``cls`` does not know or a required one missing (both named, with the
+            fields it has), or a value ``cls`` rejects; ``what`` and ``owner`` name the info and its reader.
+    """
     if isinstance(values, cls):
         return values
     if not isinstance(values, dict):
@@ -186,7 +192,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             ValueError: a field this backend does not know, a required field missing (both named),
                 or a value its dataclass rejects.
         """
-        return _parse_dataclass(self.init_info_cls, init_dict, "init_info", type(self).__name__)
+        return parse_dataclass(self.init_info_cls, init_dict, "init_info", type(self).__name__)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> TUpdateInfo:
         """Typed update info from a dict.
@@ -195,7 +201,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             ValueError: a field this backend does not know, a required field missing (both named),
                 or a value its dataclass rejects (e.g. lists of different lengths, an unknown dtype).
         """
-        return _parse_dataclass(self.update_info_cls, update_dict, "update_info", type(self).__name__)
+        return parse_dataclass(self.update_info_cls, update_dict, "update_info", type(self).__name__)
 
     @abstractmethod
     def init_transfer_engine(self, init_info: TInitInfo) -> None:

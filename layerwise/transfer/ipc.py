@@ -11,11 +11,18 @@ producer (``packed_tensor.py``: one reusable buffer, one chunk per request).
       every buffer_size_bytes: args.send_update(update info) --> receive_weight_update(model, engine, info)
                                (blocks until the engine is done)     maps each tensor, load_weights([(name, t)])
 
-Security: a handle is a pickled object (for CUDA, a function and its arguments) naming memory of the
-trainer process. Unpickling it can run arbitrary code, and mapping it reads another process's memory:
-handles must never come from, or travel through, an untrusted process. The engine refuses to work
-unless its init info sets ``allow_pickled_handles=True`` (vLLM requires VLLM_ALLOW_INSECURE_SERIALIZATION
-for the same reason).
+Security: a handle names memory of the trainer process, and mapping it reads that memory; pickled
+(``ipc_handles_pickled``, base64 of a pickle: what travels over JSON/HTTP), unpickling it can run arbitrary
+code. Handles must never come from, or travel through, an untrusted process. The engine unpickles only with
+an explicit opt-in: ``allow_pickled_handles=True`` in its init info, or vLLM's environment flag
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (an integer, non-zero = on, read when each update arrives, as vLLM).
+Handles given as objects (``ipc_handles``, e.g. through Ray, which vLLM's "ray" mode uses) need no opt-in,
+as in vLLM; a CUDA one is rebuilt only by ``rebuild_cuda_tensor``, never by a function it names.
+
+vLLM compatibility (``vllm/distributed/weight_transfer/ipc_engine.py``): init info ``{}`` is accepted (vLLM's
+has no fields); a CUDA handle may be vLLM's per-tensor ``{gpu_uuid: (rebuild_cuda_tensor, args)}`` or
+``{gpu_uuid: args}``; the trainer takes vLLM's ``mode`` / ``send_mode`` ("ray", "http" or a callable),
+``llm_handle``, ``url``, ``packed`` and ``packed_buffer_size_bytes`` (see IPCTrainerSendWeightsArgs).
 
 Shared-memory segments (CPU tensors; CUDA tensors are shared in place and need none). One engine and one
 trainer at a time share a *segment prefix*, ``IPCWeightTransferInitInfo.segment_prefix``
@@ -81,6 +88,7 @@ _SHM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,250}$")  # a file name in
 _SHM_DIR = "/dev/shm"
 _SEGMENT_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")  # <prefix>_<n> stays a valid _SHM_NAME
 _SEGMENT_NUMBERS = itertools.count()  # the <n> of this process's segments, never reused by it
+_ONE_CHUNK = 1 << 62  # chunk capacity of an update sent in one call (vLLM's unpacked IPC transfer)
 
 
 def new_segment_prefix() -> str:
@@ -117,9 +125,12 @@ def segment_names(prefix: str) -> list[str]:
 class IPCWeightTransferInitInfo(WeightTransferInitInfo):
     """Init info of the ipc backend.
 
+    Every field is optional: ``{}`` is accepted, as vLLM's IPC init info (which has none).
+
     Attributes:
-        allow_pickled_handles: opt in to unpickling and mapping the trainer's handles. Set it only when the
-            trainer, and everything the update info passes through, is trusted (see the module docstring).
+        allow_pickled_handles: opt in to unpickling the trainer's handles (``ipc_handles_pickled``); the
+            environment flag ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (vLLM's) opts in too. Set either only when
+            the trainer, and everything the update info passes through, is trusted (see the module docstring).
         segment_prefix: the trainer names its shared-memory segments ``<segment_prefix>_<n>`` and the
             engine removes those (see the module docstring). Drawn fresh by default
             (``new_segment_prefix()``), so build this info once and give its prefix to the trainer too.
@@ -141,9 +152,10 @@ class IPCWeightTransferUpdateInfo(TensorListUpdateInfo):
     Attributes:
         names / dtype_names / shapes / is_checkpoint_format: see TensorListUpdateInfo.
         ipc_handles: one handle per tensor, as objects: ``{"shm_name": str, "offset": int}`` (bytes
-            [offset, offset + nbytes) of a shared-memory segment) or ``{"gpu_uuid": str, "cuda":
-            (rebuild_cuda_tensor, args)}`` (``reduce_tensor`` of a CUDA tensor).
-        ipc_handles_pickled: the same list as base64 of its pickle (for JSON control planes).
+            [offset, offset + nbytes) of a shared-memory segment), ``{"gpu_uuid": str, "cuda":
+            (rebuild_cuda_tensor, args)}`` (``reduce_tensor`` of a CUDA tensor), or vLLM's per-tensor map of
+            physical GPU UUID to ``(rebuild_cuda_tensor, args)`` or to ``args`` (the engine takes its GPU's).
+        ipc_handles_pickled: the same list as base64 of its pickle (for JSON control planes, as vLLM's HTTP mode).
         Exactly one of the two is given; the pickled form is decoded only by an engine that opted in.
     """
 
@@ -162,30 +174,107 @@ class IPCWeightTransferUpdateInfo(TensorListUpdateInfo):
 
 @dataclass
 class IPCTrainerSendWeightsArgs:
-    """Trainer-side arguments of :meth:`IPCWeightTransferEngine.trainer_send_weights`.
+    """Trainer-side arguments of :meth:`IPCWeightTransferEngine.trainer_send_weights`: ours, and vLLM's.
+
+    How each chunk's update info reaches the engine: exactly one of ``send_update`` (ours), ``send_mode`` or
+    ``mode`` (vLLM's IPCTrainerSendWeightsArgs; ``mode`` in vLLM up to 0.21, ``send_mode`` after).
 
     Attributes:
-        send_update: delivers one update-info dict (JSON-able) to the engine, which passes it to
-            ``receive_weight_update`` (or ``WeightUpdate.receive``); must return only once the engine
-            is done with it, since the trainer then reuses the memory. Raises what the engine raised.
-        buffer_size_bytes: bytes of tensors per chunk (one ``send_update`` call); a larger tensor is alone.
-            CPU tensors are copied into one shared-memory segment of this size, reused for every chunk.
+        send_update: delivers one update-info dict (JSON-able, with ``ipc_handles_pickled``) to the engine,
+            which passes it to ``receive_weight_update`` (or ``WeightUpdate.receive``); must return only once
+            the engine is done with it, since the trainer then reuses the memory. Raises what the engine raised.
+            Chunks of ``buffer_size_bytes``.
+        send_mode / mode: as vLLM's. A callable: called as ``send_update`` is, once per chunk, with the chunk's
+            update-info dict (vLLM passes its dataclass). "ray": ``ray.get(h.update_weights.remote({"update_info":
+            info}))`` for each handle of ``llm_handle`` (one or a list), with ``ipc_handles`` as objects (Ray
+            carries them; no opt-in needed). "http": POST ``{"update_info": info}`` as JSON to
+            ``{url}/update_weights`` (handles pickled: the server's engine needs the opt-in); layerwise ships no
+            such server: the endpoint is yours, calling ``Engine.update_weights(request)``. As vLLM, everything
+            goes in one update unless ``packed``.
+        llm_handle: Ray actor handle(s) with an ``update_weights`` method ("ray" only).
+        url: the HTTP server's base URL ("http" only).
+        packed / packed_buffer_size_bytes: as vLLM's: with ``send_mode`` or ``mode``, split the update into
+            chunks of ``packed_buffer_size_bytes`` (one update call each: the receiver must keep one weight
+            update open across them, e.g. ``start_weight_update`` ... ``finish_weight_update``).
+        buffer_size_bytes: bytes of tensors per chunk with ``send_update``; a larger tensor is alone. CPU
+            tensors are copied into one shared-memory segment of up to a chunk's size, reused for every chunk.
         is_checkpoint_format: written into every chunk's update info.
         segment_prefix: the engine's ``segment_prefix`` (its init info's); segments are named
             ``<segment_prefix>_<n>``, so the engine removes what a killed trainer left. None (older call
-            sites): a fresh prefix per call, which no engine removes (see the module docstring).
+            sites, and vLLM's trainers): a fresh prefix per call, which no engine removes (see the module
+            docstring).
     Raises (on construction):
-        ValueError: a segment_prefix that is not a file-name prefix (see ``check_segment_prefix``).
+        ValueError: no transport or more than one, "ray" without ``llm_handle``, "http" without ``url``,
+            another mode string, or a segment_prefix that is not a file-name prefix (see
+            ``check_segment_prefix``).
     """
 
-    send_update: Callable[[dict], Any]
+    send_update: Callable[[dict], Any] | None = None
     buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     is_checkpoint_format: bool = True
     segment_prefix: str | None = None
+    send_mode: str | Callable[[dict], Any] | None = None
+    mode: str | None = None
+    llm_handle: Any = None
+    url: str | None = None
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
     def __post_init__(self):
+        given = [n for n in ("send_update", "send_mode", "mode") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of send_update, send_mode and mode (vLLM's), got {given or 'none'}")
+        transport = self.transport
+        if not callable(transport):
+            if transport not in ("ray", "http"):
+                raise ValueError(f"{given[0]} must be 'ray', 'http' or a callable, got {transport!r}")
+            if transport == "ray" and self.llm_handle is None:
+                raise ValueError(f"{given[0]}='ray' needs llm_handle (a Ray actor handle, or a list of them)")
+            if transport == "http" and not self.url:
+                raise ValueError(f"{given[0]}='http' needs url (the server's base URL)")
         if self.segment_prefix is not None:
             check_segment_prefix(self.segment_prefix)
+
+    @property
+    def transport(self) -> str | Callable[[dict], Any]:
+        """The callable, "ray" or "http": whichever of send_update / send_mode / mode is given."""
+        return next(t for t in (self.send_update, self.send_mode, self.mode) if t is not None)
+
+    @property
+    def chunk_bytes(self) -> int | None:
+        """Bytes per chunk; None: one chunk (vLLM's unpacked transfer)."""
+        if self.send_update is not None:
+            return self.buffer_size_bytes
+        return self.packed_buffer_size_bytes if self.packed else None
+
+
+def insecure_serialization_allowed() -> bool:
+    """vLLM's opt-in to unpickling: the environment variable ``VLLM_ALLOW_INSECURE_SERIALIZATION`` holds a
+    non-zero integer (read now; unset, empty or not an integer: off)."""
+    value = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "0").strip()
+    try:
+        return int(value) != 0
+    except ValueError:
+        return False
+
+
+def _send_over_ray(llm_handle: Any, info: dict) -> None:
+    import ray  # only a trainer that asks for "ray" needs it
+
+    handles = llm_handle if isinstance(llm_handle, list) else [llm_handle]
+    ray.get([handle.update_weights.remote({"update_info": info}) for handle in handles])
+
+
+def _send_over_http(url: str, info: dict) -> None:
+    import json
+    import urllib.request
+
+    body = json.dumps({"update_info": info}).encode()
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/update_weights", data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:  # raises HTTPError on a 4xx/5xx answer
+        response.read()
 
 
 def _gpu_uuid(device: torch.device) -> str:
@@ -231,20 +320,19 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
         trainer was killed with its resource tracker (see the module docstring). Called again with
         another prefix, the engine first removes the old prefix's segments.
 
+        ``{}`` is accepted (vLLM's IPC init info has no fields): no opt-in to pickled handles (unless
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), and a fresh segment prefix.
+
         Raises:
-            ValueError: ``allow_pickled_handles`` is not True (the backend cannot work without handles),
-                or a ``segment_prefix`` that is not a file-name prefix.
+            ValueError: an unknown field, a non-bool ``allow_pickled_handles``, or a ``segment_prefix`` that is
+                not a file-name prefix.
         """
         info = self.parse_init_info(init_info)
-        if info.allow_pickled_handles is not True:
-            raise ValueError(
-                "the ipc weight transfer backend unpickles and maps handles sent by the trainer, which "
-                "can run code: set allow_pickled_handles=True in the init info, and only for a trusted "
-                "trainer on this machine"
-            )
+        if not isinstance(info.allow_pickled_handles, bool):
+            raise ValueError(f"allow_pickled_handles must be a bool, got {info.allow_pickled_handles!r}")
         if self.segment_prefix not in (None, info.segment_prefix):
             self.remove_segments()  # the previous prefix's: no trainer of it will be answered any more
-        self.allow_pickled_handles = True
+        self.allow_pickled_handles = info.allow_pickled_handles
         self.segment_prefix = info.segment_prefix
         self.remove_segments()
 
@@ -283,11 +371,13 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
 
         Raises:
             RuntimeError: init_transfer_engine was not called.
-            ValueError: update info that does not parse (nothing removed), or a handle that is malformed,
-                for another GPU, or of another dtype/shape than the update info says; names the tensor.
+            ValueError: update info that does not parse (nothing removed); ``ipc_handles_pickled`` without the
+                opt-in (``allow_pickled_handles=True`` or ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; nothing is
+                unpickled); a handle that is malformed, for another GPU, or of another dtype/shape than the
+                update info says (names the tensor).
             whatever ``load_weights`` raised.
         """
-        if self.allow_pickled_handles is not True:
+        if self.allow_pickled_handles is None:
             raise RuntimeError("ipc weight transfer is not initialized: call init_transfer_engine() first")
         info = self.parse_update_info(update_info)
         try:
@@ -299,7 +389,13 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
     def _receive(self, info: IPCWeightTransferUpdateInfo, load_weights: LoadWeights) -> None:
         handles = info.ipc_handles
         if handles is None:
-            handles = pickle.loads(base64.b64decode(info.ipc_handles_pickled))  # opted in above
+            if not (self.allow_pickled_handles or insecure_serialization_allowed()):
+                raise ValueError(
+                    "refusing to unpickle ipc_handles_pickled (unpickling can run code): opt in with "
+                    "allow_pickled_handles=True in the init info or VLLM_ALLOW_INSECURE_SERIALIZATION=1, and only "
+                    "for a trusted trainer on this machine"
+                )
+            handles = pickle.loads(base64.b64decode(info.ipc_handles_pickled))  # opted in
             if not isinstance(handles, list) or len(handles) != len(info.names):
                 raise ValueError(
                     f"update info: ipc_handles_pickled holds {type(handles).__name__} of "
@@ -338,6 +434,8 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
                     f"{dtype.itemsize})"
                 )
             return segment[offset : offset + nbytes].view(dtype).view(shape)
+        if "cuda" not in handle:  # vLLM's: {physical GPU UUID: (rebuild_cuda_tensor, args) or args}
+            handle = self._vllm_cuda_handle(handle, name)
         if "cuda" in handle:
             func, args = handle["cuda"]
             if func is not rebuild_cuda_tensor:
@@ -362,6 +460,27 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
             return tensor
         raise ValueError(f"ipc handle of tensor {name!r} has neither 'shm_name' nor 'cuda': {sorted(handle)}")
 
+    def _vllm_cuda_handle(self, handle: dict, name: str) -> dict:
+        """vLLM's per-tensor handle ``{gpu_uuid: (rebuild_cuda_tensor, args)}`` or ``{gpu_uuid: args}`` as ours
+        (``{"gpu_uuid", "cuda"}``) for this engine's GPU; ``handle`` itself when it is not one."""
+        if not handle or not all(isinstance(k, str) and isinstance(v, (tuple, list)) for k, v in handle.items()):
+            return handle
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"ipc handle of tensor {name!r} maps CUDA memory (GPUs {sorted(handle)}), and this "
+                f"process has no CUDA device"
+            )
+        device = self.device if self.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        uuid = _gpu_uuid(device)
+        if uuid not in handle:
+            raise ValueError(
+                f"ipc handle of tensor {name!r} has no entry for this engine's GPU {uuid} "
+                f"({device}); it has {sorted(handle)}"
+            )
+        value = tuple(handle[uuid])
+        cuda = value if len(value) == 2 and callable(value[0]) else (rebuild_cuda_tensor, value)
+        return {"gpu_uuid": uuid, "cuda": cuda}
+
     def shutdown(self) -> None:
         """Remove this engine's segments (``remove_segments``) and forget the opt-in. Safe to call twice."""
         if self.segment_prefix is not None:
@@ -380,15 +499,20 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
         ``buffer_size_bytes`` (a larger tensor gets a segment of its own size), reused by the next chunk
         once ``send_update`` returned, and unlinked when this returns or raises (the engine removes it if
         this process is killed with its resource tracker; see the module docstring). Each chunk is one
-        ``send_update(update_info_dict)`` call whose dict carries ``ipc_handles_pickled``.
+        ``send_update(update_info_dict)`` call whose dict carries ``ipc_handles_pickled`` (or one call of
+        vLLM's ``send_mode`` / ``mode`` transport: see :class:`IPCTrainerSendWeightsArgs`).
+
+        ``trainer_args`` may be vLLM's: e.g. ``{"send_mode": "http", "url": ...}``; such a trainer needs no
+        GPU for CPU tensors (vLLM's always reads its current CUDA device).
 
         Raises:
-            ValueError: trainer args that do not construct (e.g. a bad ``segment_prefix``).
-            whatever ``send_update`` raised (the engine's error); the segment is unlinked all the same.
+            ValueError: trainer args that do not construct (e.g. a bad ``segment_prefix``, no transport).
+            whatever ``send_update`` (or the transport: Ray's error, urllib's HTTPError) raised; the segment is
+                unlinked all the same.
         """
         args = IPCTrainerSendWeightsArgs(**trainer_args) if isinstance(trainer_args, dict) else trainer_args
         prefix = args.segment_prefix if args.segment_prefix is not None else new_segment_prefix()
-        layout = BucketLayout(args.buffer_size_bytes)
+        layout = BucketLayout(args.chunk_bytes if args.chunk_bytes is not None else _ONE_CHUNK)
         pending: dict[int, tuple[str, torch.Tensor]] = {}
         segment: list[shared_memory.SharedMemory | None] = [None]
 
@@ -414,15 +538,17 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
                     handles.append({"shm_name": segment[0].name, "offset": off})
                 else:
                     handles.append({"gpu_uuid": _gpu_uuid(tensor.device), "cuda": reduce_tensor(tensor)})
-            args.send_update(
-                {
-                    "names": names,
-                    "dtype_names": dtypes,
-                    "shapes": shapes,
-                    "is_checkpoint_format": args.is_checkpoint_format,
-                    "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
-                }
-            )
+            info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            info["is_checkpoint_format"] = args.is_checkpoint_format
+            transport = args.transport
+            if transport == "ray":  # Ray carries the handles as objects, as vLLM's "ray" mode
+                _send_over_ray(args.llm_handle, dict(info, ipc_handles=handles))
+                return
+            info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("ascii")
+            if transport == "http":
+                _send_over_http(args.url, info)
+            else:
+                transport(info)
 
         try:
             for index, (name, tensor) in enumerate(iterator):

@@ -21,11 +21,13 @@ receives (and drops) the rest of the update, so the trainer finishes its send an
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import re
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ from layerwise.transfer.base import (
     WeightTransferInitInfo,
     WeightTransferTimeoutError,
     dtype_name,
+    parse_dataclass,
 )
 from layerwise.transfer.packed_tensor import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -47,6 +50,8 @@ from layerwise.transfer.packed_tensor import (
     Bucket,
     BucketLayout,
     flat_bytes,
+    packed_broadcast_consumer,
+    packed_broadcast_producer,
     plan_buckets,
     unpack_bucket,
 )
@@ -124,20 +129,30 @@ class NCCLWeightTransferUpdateInfo(TensorListUpdateInfo):
 
 @dataclass
 class NCCLTrainerSendWeightsArgs:
-    """Trainer-side arguments of :meth:`NCCLWeightTransferEngine.trainer_send_weights`.
+    """Trainer-side arguments of :meth:`NCCLWeightTransferEngine.trainer_send_weights`, as vLLM's
+    ``NCCLTrainerSendWeightsArgs`` (same fields, order and defaults; ``verify`` is ours, keyword-only).
 
     Attributes:
         group: the trainer's group, from :meth:`NCCLWeightTransferEngine.trainer_init`.
         src: the sending rank (the trainer: 0).
-        packed / packed_buffer_size_bytes / packed_num_buffers / verify: must equal the update info's.
+        post_iter_func: called once per item of the iterator, with the ``(name, tensor)`` pair, before that
+            tensor is packed or broadcast; the tensor it returns is what is sent (its dtype and shape are what
+            the engines' update info must declare). None: the pair's tensor itself (as vLLM).
+        packed: concatenate tensors into uint8 buckets (see layerwise/transfer/packed_tensor.py).
+        stream: a ``torch.cuda.Stream`` or None. On CUDA (NCCL) the send runs with it as the current stream, so
+            the copies into buckets and the broadcasts are ordered after the work already queued on it. On the
+            CPU (gloo) it is accepted and unused. vLLM uses it for unpacked sends only; here it applies to both.
+        packed_buffer_size_bytes / packed_num_buffers / verify: must equal the update info's.
     """
 
     group: WeightTransferGroup
     src: int = 0
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
     packed: bool = False
+    stream: Any = None
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    verify: bool = False
+    verify: bool = field(default=False, kw_only=True)
 
 
 class WeightTransferGroup:
@@ -351,9 +366,10 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         """Receive the update's tensors in the order of ``update_info.names`` and load them.
 
         Unpacked: each tensor is received into a buffer of its own (two in flight) and passed alone.
-        Packed: bucket k is received into slot k % packed_num_buffers (uint8 [<= packed_buffer_size_bytes]);
-        the next buckets' receives are posted before bucket k is loaded, and ``load_weights`` gets views
-        of bucket k, which must be consumed or copied before it returns (the slot is refilled next).
+        Packed (:func:`~layerwise.transfer.packed_tensor.packed_broadcast_consumer`): bucket k is received into
+        slot k % packed_num_buffers (uint8 [<= packed_buffer_size_bytes]); the next buckets' receives are posted
+        before bucket k is loaded, and ``load_weights`` gets views of bucket k, which must be consumed or copied
+        before it returns (the slot is refilled next).
 
         Before each bucket's bytes the engine and the trainer compare headers (bytes, tensor count, a digest
         of names, dtypes and shapes: layerwise/transfer/wire.py), and with ``verify`` a checksum of the bytes
@@ -372,95 +388,19 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         """
         group = self._require_group()
         info = self.parse_update_info(update_info)
-        capacity = info.packed_buffer_size_bytes if info.packed else None
-        num_slots = info.packed_num_buffers if info.packed else 2
-        buckets = plan_buckets([info.nbytes(i) for i in range(len(info.names))], capacity)
-        declared = [
-            [(info.names[i], info.dtype_names[i], list(info.shapes[i])) for i, _, _ in b.entries] for b in buckets
-        ]
-        slot_bytes = max((b.nbytes for b in buckets if capacity is not None and b.nbytes <= capacity), default=0)
-        slots: list[torch.Tensor | None] = [None] * num_slots
-
-        def buffer_for(k: int) -> torch.Tensor:
-            nbytes = buckets[k].nbytes
-            if capacity is None or nbytes > capacity:  # unpacked, or a tensor larger than a bucket
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            s = k % num_slots
-            if slots[s] is None:
-                slots[s] = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
-            return slots[s][:nbytes]
-
-        def post_header(h: int) -> wire.Agreement:  # bucket h's header (h == len(buckets): the end)
-            ours = declared[h] if h < len(buckets) else []
-            what = _bucket_label(buckets[h], h, len(buckets)) if ours else "the end of the update"
-            values = wire.header(ours, buckets[h].nbytes if ours else 0, info.verify, num_slots)
-            return wire.Agreement(group, values, ours[0][0] if ours else None, what)
-
-        def settle(h: int, agreement: wire.Agreement) -> None:
-            lo, hi = agreement.result()
-            if lo != hi:
-                theirs, reason = wire.exchange_entries(group, None, agreement.key, agreement.what)
-                raise wire.mismatch_error(
-                    declared[h] if h < len(buckets) else [],
-                    theirs,
-                    agreement.what,
-                    [e for b in declared[h + 1 :] for e in b],
-                    reason,
-                )
-
-        def post_payload(h: int) -> None:
-            buf = buffer_for(h)
-            in_flight.append((buf, group.broadcast(buf, 0, declared[h][0][0])))
-
-        # The collectives in the trainer's order: H(h), P(h) for the first num_slots buckets; then per bucket
-        # k: [C(k) with verify], H(k + num_slots), P(k + num_slots), with H(end) where the next H would go;
-        # then the remaining C's. The header of bucket k + num_slots is posted right after bucket k arrived and settled
-        # only when its payload is due, so its round trip overlaps loading bucket k.
-        total = len(buckets)
-        in_flight: deque = deque()
-        pending: dict[int, wire.Agreement] = {}  # header index -> its agreement in flight
-        error = None
-        try:
-            for h in range(min(num_slots, total + 1)):
-                settle(h, post_header(h))
-                if h < total:
-                    post_payload(h)
-            for k, bucket in enumerate(buckets):
-                h = k + num_slots - 1  # the header and payload due now (at startup for k == 0)
-                if k > 0 and h <= total:
-                    settle(h, pending.pop(h))
-                    if h < total:
-                        post_payload(h)
-                buf, work = in_flight.popleft()
-                what = _bucket_label(bucket, k, total)
-                group.wait(work, declared[k][0][0], what)
-                if info.verify and not wire.checksums_agree(group, buf, declared[k][0][0], what):
-                    raise WeightTransferError(
-                        f"weight transfer, {what}: the checksum of the bytes received differs from the "
-                        f"trainer's (changed in transit, or while the trainer sent them); nothing of this "
-                        f"bucket was loaded; the trainer raised too, and the group stays in step",
-                        key=declared[k][0][0],
-                    )
-                if k + num_slots <= total:
-                    pending[k + num_slots] = post_header(k + num_slots)
-                if error is None:
-                    try:
-                        load_weights(unpack_bucket(buf, bucket, info.names, info.dtypes, info.shapes))
-                    except Exception as e:  # noqa: BLE001 -- Limitations 3: keep receiving, the trainer stays in step
-                        error = e
-                del buf
-            if total in pending:  # one bucket in flight: H(end) comes after the last C
-                settle(total, pending.pop(total))
-        except WeightTransferError as e:
-            if error is not None and e.__cause__ is None:
-                e.__cause__ = error  # what load_weights raised before
-            _finish_after_disagreement(group, e, [a.result for a in pending.values()], in_flight)
-            raise
-        except BaseException as e:  # out of the protocol's order: the trainer cannot be followed any more
-            group.broken = group.broken or f"{type(e).__name__} in the middle of an update: {e}"
-            raise
-        if error is not None:
-            raise error
+        tensors = list(zip(info.names, info.dtypes, info.shapes, strict=True))
+        if info.packed:
+            packed_broadcast_consumer(
+                iterator=((name, (shape, dtype)) for name, dtype, shape in tensors),
+                group=group,
+                src=0,
+                post_unpack_func=load_weights,
+                buffer_size_bytes=info.packed_buffer_size_bytes,
+                num_buffers=info.packed_num_buffers,
+                verify=info.verify,
+            )
+        else:
+            receive_broadcast(group, tensors, load_weights, verify=info.verify)
 
     def _require_group(self) -> WeightTransferGroup:
         if self.group is None:
@@ -477,19 +417,28 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
     def trainer_init(
         init_info: NCCLWeightTransferInitInfo | dict, device: torch.device | str | None = None
     ) -> WeightTransferGroup:
-        """Trainer side: host the store and join the group as rank 0.
+        """Trainer side: host the store and join the group as rank 0, as vLLM's ``trainer_init``.
 
         Args:
-            init_info: the same init info the engines get (rank_offset is theirs, not the trainer's).
+            init_info: vLLM's three keys ``master_address``, ``master_port``, ``world_size`` (a dict or the
+                dataclass), and optionally ours: ``timeout_seconds`` (default 60) and ``group_id`` (default None),
+                which must equal the engines'. ``rank_offset`` may be present (the engines' init info passed
+                as is) and is then only checked; the trainer is always rank 0.
             device: where the trainer's tensors are broadcast from; default: the current CUDA device if
-                CUDA is available, else CPU. Must be CUDA exactly when the engines' devices are.
+                CUDA is available, else CPU. Must be CUDA exactly when the engines' devices are. (vLLM's has
+                no such argument and always uses the current CUDA device.)
         Returns:
             the group to pass as ``NCCLTrainerSendWeightsArgs.group``.
         Raises:
+            ValueError: a required key missing or an unknown one (both named), or a bad value.
             WeightTransferTimeoutError: the engines did not join within ``timeout_seconds``.
         """
         if isinstance(init_info, dict):
-            init_info = NCCLWeightTransferInitInfo(**init_info)
+            fields = dict(init_info)
+            fields.setdefault("rank_offset", 1)  # the engines' field: the trainer is rank 0 whatever it says
+            init_info = parse_dataclass(
+                NCCLWeightTransferInitInfo, fields, "init_info", "NCCLWeightTransferEngine.trainer_init"
+            )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         return WeightTransferGroup(
@@ -506,13 +455,17 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
     def trainer_send_weights(
         iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: NCCLTrainerSendWeightsArgs | dict
     ) -> None:
-        """Trainer side: broadcast every (name, tensor) of ``iterator`` to the engines.
+        """Trainer side: broadcast every (name, tensor) of ``iterator`` to the engines, as vLLM's
+        ``trainer_send_weights`` (same arguments: ``trainer_args`` is an :class:`NCCLTrainerSendWeightsArgs` or
+        a dict of its fields).
 
-        The order and the metadata must be those of the update info the engines were given (use
-        :func:`layerwise.transfer.base.tensor_metadata` on the same pairs). Unpacked: each tensor's own
-        bytes are broadcast (no copy when it is contiguous and on the group's device). Packed: tensors are
-        copied into uint8 buckets of ``packed_buffer_size_bytes`` (a larger tensor alone); bucket k + 1 is
-        packed while bucket k is in flight, at most ``packed_num_buffers`` buckets in flight.
+        What is sent for an item is ``post_iter_func((name, tensor))`` (default: the tensor), called once per
+        item before the tensor is packed or broadcast. The order and the metadata of what is sent must be
+        those of the update info the engines were given (use :func:`layerwise.transfer.base.tensor_metadata`
+        on the same pairs). Unpacked: each tensor's own bytes are broadcast (no copy when it is contiguous and
+        on the group's device). Packed (:func:`~layerwise.transfer.packed_tensor.packed_broadcast_producer`):
+        tensors are copied into uint8 buckets of ``packed_buffer_size_bytes`` (a larger tensor alone); bucket
+        k + 1 is packed while bucket k is in flight, at most ``packed_num_buffers`` buckets in flight.
 
         Each bucket's header is compared with the engines' before its bytes go (and with ``verify`` its
         checksum after): see :meth:`NCCLWeightTransferEngine.receive_weights`.
@@ -525,123 +478,276 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             WeightTransferTimeoutError: an engine stopped receiving for ``timeout_seconds`` (or died).
         """
         args = NCCLTrainerSendWeightsArgs(**trainer_args) if isinstance(trainer_args, dict) else trainer_args
-        group = args.group
-        if group.rank != args.src:
-            raise ValueError(
-                f"trainer_send_weights runs on the sending rank: src={args.src}, this is rank {group.rank}"
-            )
-        capacity = args.packed_buffer_size_bytes if args.packed else None
-        num_slots = args.packed_num_buffers if args.packed else 2
-        layout = BucketLayout(capacity)
-        slots: list[torch.Tensor | None] = [None] * num_slots
-        pending: dict[int, tuple[wire.Entry, torch.Tensor]] = {}  # index -> ((name, dtype, shape), flat bytes)
-        in_flight: deque = deque()  # (buffer kept alive, work, key, label)
-        sent = 0
-
-        def agree_on(entries: list[wire.Entry], nbytes: int, what: str) -> None:
-            key = entries[0][0] if entries else None
-            ours = wire.header(entries, nbytes, args.verify, num_slots)
-            lo, hi = wire.agree(group, ours, key, what)
-            if lo == hi:
-                return
-            wire.exchange_entries(group, entries, key, what)
-            theirs = wire.trainer_view(ours, lo, hi)
-            sending = f"from tensor {wire.describe(entries[0])}" if entries else "nothing more (its end)"
-            if theirs[:3] == ours[:3]:
-                problem = (
-                    f"an engine's settings differ (verify, packed, packed_buffer_size_bytes and "
-                    f"packed_num_buffers must match the trainer's: verify={args.verify}, {num_slots} in flight)"
+        post_iter_func = args.post_iter_func if args.post_iter_func is not None else _tensor_of
+        use_stream = args.stream is not None and args.group.device.type == "cuda"
+        with torch.cuda.stream(args.stream) if use_stream else contextlib.nullcontext():
+            if args.packed:
+                packed_broadcast_producer(
+                    iterator=iterator,
+                    group=args.group,
+                    src=args.src,
+                    post_iter_func=post_iter_func,
+                    buffer_size_bytes=args.packed_buffer_size_bytes,
+                    num_buffers=args.packed_num_buffers,
+                    verify=args.verify,
                 )
             else:
-                expected = "the end of the update" if theirs[0] == wire.END else f"{theirs[1]} tensor(s)"
-                expected += "" if theirs[0] == wire.END else f", {theirs[0]} bytes"
-                problem = (
-                    f"an engine expects {expected}, the trainer sends {sending}: the update info the engines "
-                    f"hold differs from the tensors given to trainer_send_weights (names, dtypes, shapes and "
-                    f"order must match)"
+                send_broadcast(iterator, args.group, src=args.src, post_iter_func=post_iter_func, verify=args.verify)
+
+
+def _tensor_of(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+    """vLLM's default ``post_iter_func``: the pair's tensor."""
+    return item[1]
+
+
+def receive_broadcast(
+    group: WeightTransferGroup,
+    tensors: list[tuple[str, torch.dtype, list[int]]],
+    load_weights: LoadWeights,
+    *,
+    src: int = 0,
+    capacity: int | None = None,
+    num_slots: int = DEFAULT_PACKED_NUM_BUFFERS,
+    verify: bool = False,
+) -> None:
+    """Engine side of one update: receive ``tensors`` (name, dtype, shape; in send order) broadcast by ``src``
+    and hand them to ``load_weights`` bucket by bucket (see :meth:`NCCLWeightTransferEngine.receive_weights`).
+
+    Args:
+        capacity: bytes per bucket (packed) or None (unpacked: a tensor per bucket, two in flight).
+        num_slots: buckets in flight when packed.
+        verify: compare each bucket's checksum with the trainer's before loading it.
+    Raises:
+        as :meth:`NCCLWeightTransferEngine.receive_weights`.
+    """
+    names = [name for name, _, _ in tensors]
+    dtypes = [dtype for _, dtype, _ in tensors]
+    shapes = [list(shape) for _, _, shape in tensors]
+    num_slots = num_slots if capacity is not None else 2
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes, strict=True)]
+    buckets = plan_buckets(sizes, capacity)
+    declared = [[(names[i], dtype_name(dtypes[i]), shapes[i]) for i, _, _ in b.entries] for b in buckets]
+    slot_bytes = max((b.nbytes for b in buckets if capacity is not None and b.nbytes <= capacity), default=0)
+    slots: list[torch.Tensor | None] = [None] * num_slots
+
+    def buffer_for(k: int) -> torch.Tensor:
+        nbytes = buckets[k].nbytes
+        if capacity is None or nbytes > capacity:  # unpacked, or a tensor larger than a bucket
+            return torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        s = k % num_slots
+        if slots[s] is None:
+            slots[s] = torch.empty(slot_bytes, dtype=torch.uint8, device=group.device)
+        return slots[s][:nbytes]
+
+    def post_header(h: int) -> wire.Agreement:  # bucket h's header (h == len(buckets): the end)
+        ours = declared[h] if h < len(buckets) else []
+        what = _bucket_label(buckets[h], h, len(buckets)) if ours else "the end of the update"
+        values = wire.header(ours, buckets[h].nbytes if ours else 0, verify, num_slots)
+        return wire.Agreement(group, values, ours[0][0] if ours else None, what)
+
+    def settle(h: int, agreement: wire.Agreement) -> None:
+        lo, hi = agreement.result()
+        if lo != hi:
+            theirs, reason = wire.exchange_entries(group, None, agreement.key, agreement.what)
+            raise wire.mismatch_error(
+                declared[h] if h < len(buckets) else [],
+                theirs,
+                agreement.what,
+                [e for b in declared[h + 1 :] for e in b],
+                reason,
+            )
+
+    def post_payload(h: int) -> None:
+        buf = buffer_for(h)
+        in_flight.append((buf, group.broadcast(buf, src, declared[h][0][0])))
+
+    # The collectives in the trainer's order: H(h), P(h) for the first num_slots buckets; then per bucket
+    # k: [C(k) with verify], H(k + num_slots), P(k + num_slots), with H(end) where the next H would go;
+    # then the remaining C's. The header of bucket k + num_slots is posted right after bucket k arrived and settled
+    # only when its payload is due, so its round trip overlaps loading bucket k.
+    total = len(buckets)
+    in_flight: deque = deque()
+    pending: dict[int, wire.Agreement] = {}  # header index -> its agreement in flight
+    error = None
+    try:
+        for h in range(min(num_slots, total + 1)):
+            settle(h, post_header(h))
+            if h < total:
+                post_payload(h)
+        for k, bucket in enumerate(buckets):
+            h = k + num_slots - 1  # the header and payload due now (at startup for k == 0)
+            if k > 0 and h <= total:
+                settle(h, pending.pop(h))
+                if h < total:
+                    post_payload(h)
+            buf, work = in_flight.popleft()
+            what = _bucket_label(bucket, k, total)
+            group.wait(work, declared[k][0][0], what)
+            if verify and not wire.checksums_agree(group, buf, declared[k][0][0], what):
+                raise WeightTransferError(
+                    f"weight transfer, {what}: the checksum of the bytes received differs from the "
+                    f"trainer's (changed in transit, or while the trainer sent them); nothing of this "
+                    f"bucket was loaded; the trainer raised too, and the group stays in step",
+                    key=declared[k][0][0],
                 )
+            if k + num_slots <= total:
+                pending[k + num_slots] = post_header(k + num_slots)
+            if error is None:
+                try:
+                    load_weights(unpack_bucket(buf, bucket, names, dtypes, shapes))
+                except Exception as e:  # noqa: BLE001 -- Limitations 3: keep receiving, the trainer stays in step
+                    error = e
+            del buf
+        if total in pending:  # one bucket in flight: H(end) comes after the last C
+            settle(total, pending.pop(total))
+    except WeightTransferError as e:
+        if error is not None and e.__cause__ is None:
+            e.__cause__ = error  # what load_weights raised before
+        _finish_after_disagreement(group, e, [a.result for a in pending.values()], in_flight)
+        raise
+    except BaseException as e:  # out of the protocol's order: the trainer cannot be followed any more
+        group.broken = group.broken or f"{type(e).__name__} in the middle of an update: {e}"
+        raise
+    if error is not None:
+        raise error
+
+
+def send_broadcast(
+    iterator: Iterable[tuple[str, torch.Tensor]],
+    group: WeightTransferGroup,
+    *,
+    src: int = 0,
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] = _tensor_of,
+    capacity: int | None = None,
+    num_slots: int = DEFAULT_PACKED_NUM_BUFFERS,
+    verify: bool = False,
+) -> None:
+    """Trainer side of one update: broadcast ``post_iter_func(item)`` for every item of ``iterator`` from ``src``
+    (see :meth:`NCCLWeightTransferEngine.trainer_send_weights`).
+
+    Args:
+        post_iter_func: called once per item, with the (name, tensor) pair, before its tensor is packed; returns
+            the tensor sent. If it raises, the engines are told as when the iterator raises.
+        capacity: bytes per bucket (packed) or None (unpacked: each tensor's own bytes, two in flight).
+        num_slots: buckets in flight when packed.
+        verify: compare each bucket's checksum with the engines'.
+    Raises:
+        as :meth:`NCCLWeightTransferEngine.trainer_send_weights`.
+    """
+    if group.rank != src:
+        raise ValueError(f"trainer_send_weights runs on the sending rank: src={src}, this is rank {group.rank}")
+    num_slots = num_slots if capacity is not None else 2
+    layout = BucketLayout(capacity)
+    slots: list[torch.Tensor | None] = [None] * num_slots
+    pending: dict[int, tuple[wire.Entry, torch.Tensor]] = {}  # index -> ((name, dtype, shape), flat bytes)
+    in_flight: deque = deque()  # (buffer kept alive, work, key, label)
+    sent = 0
+
+    def agree_on(entries: list[wire.Entry], nbytes: int, what: str) -> None:
+        key = entries[0][0] if entries else None
+        ours = wire.header(entries, nbytes, verify, num_slots)
+        lo, hi = wire.agree(group, ours, key, what)
+        if lo == hi:
+            return
+        wire.exchange_entries(group, entries, key, what)
+        theirs = wire.trainer_view(ours, lo, hi)
+        sending = f"from tensor {wire.describe(entries[0])}" if entries else "nothing more (its end)"
+        if theirs[:3] == ours[:3]:
+            problem = (
+                f"an engine's settings differ (verify, packed, packed_buffer_size_bytes and "
+                f"packed_num_buffers must match the trainer's: verify={verify}, {num_slots} in flight)"
+            )
+        else:
+            expected = "the end of the update" if theirs[0] == wire.END else f"{theirs[1]} tensor(s)"
+            expected += "" if theirs[0] == wire.END else f", {theirs[0]} bytes"
+            problem = (
+                f"an engine expects {expected}, the trainer sends {sending}: the update info the engines "
+                f"hold differs from the tensors given to trainer_send_weights (names, dtypes, shapes and "
+                f"order must match)"
+            )
+        raise WeightTransferError(
+            f"weight transfer, {what}: {problem}; nothing of this bucket was sent, and the group stays in step",
+            key=key,
+        )
+
+    def give_up(e: BaseException) -> None:  # the iterator raised: tell the engines where a header is due
+        if len(in_flight) >= num_slots:
+            complete_oldest()
+        what = f"bucket {sent + 1} (the trainer's iterator raised)"
+        lo, hi = wire.agree(group, wire.abort_header(), None, what)
+        if lo != hi:
+            wire.exchange_entries(group, [], None, what, reason=f"{type(e).__name__}: {e}")
+
+    def complete_oldest() -> None:
+        buf, work, key, label = in_flight.popleft()
+        group.wait(work, key, label)
+        if verify and not wire.checksums_agree(group, buf, key, label):
             raise WeightTransferError(
-                f"weight transfer, {what}: {problem}; nothing of this bucket was sent, and the group stays in step",
+                f"weight transfer, {label}: an engine received bytes whose checksum differs from the "
+                f"trainer's; it loaded nothing of this bucket, and the group stays in step",
                 key=key,
             )
 
-        def give_up(e: BaseException) -> None:  # the iterator raised: tell the engines where a header is due
-            if len(in_flight) >= num_slots:
-                complete_oldest()
-            what = f"bucket {sent + 1} (the trainer's iterator raised)"
-            lo, hi = wire.agree(group, wire.abort_header(), None, what)
-            if lo != hi:
-                wire.exchange_entries(group, [], None, what, reason=f"{type(e).__name__}: {e}")
-
-        def complete_oldest() -> None:
-            buf, work, key, label = in_flight.popleft()
-            group.wait(work, key, label)
-            if args.verify and not wire.checksums_agree(group, buf, key, label):
-                raise WeightTransferError(
-                    f"weight transfer, {label}: an engine received bytes whose checksum differs from the "
-                    f"trainer's; it loaded nothing of this bucket, and the group stays in step",
-                    key=key,
-                )
-
-        def send(bucket: Bucket) -> None:
-            nonlocal sent
-            if len(in_flight) >= num_slots:  # the slot of bucket `sent` is free once its last user is done
-                complete_oldest()
-            entries = [pending[i][0] for i, _, _ in bucket.entries]
-            label = _bucket_label(bucket, sent, None)
-            agree_on(entries, bucket.nbytes, label)
-            first = bucket.entries[0][0]
-            if capacity is None:
-                buf = pending[first][1]
+    def send(bucket: Bucket) -> None:
+        nonlocal sent
+        if len(in_flight) >= num_slots:  # the slot of bucket `sent` is free once its last user is done
+            complete_oldest()
+        entries = [pending[i][0] for i, _, _ in bucket.entries]
+        label = _bucket_label(bucket, sent, None)
+        agree_on(entries, bucket.nbytes, label)
+        first = bucket.entries[0][0]
+        if capacity is None:
+            buf = pending[first][1]
+        else:
+            if bucket.nbytes > capacity:
+                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
             else:
-                if bucket.nbytes > capacity:
-                    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
-                else:
-                    s = sent % num_slots
-                    if slots[s] is None or slots[s].numel() < bucket.nbytes:
-                        slots[s] = torch.empty(
-                            max(bucket.nbytes, min(capacity, 2 * bucket.nbytes)), dtype=torch.uint8, device=group.device
-                        )
-                    buf = slots[s][: bucket.nbytes]
-                for i, offset, nbytes in bucket.entries:
-                    buf[offset : offset + nbytes].copy_(pending[i][1])
-            for i, _, _ in bucket.entries:
-                del pending[i]
-            in_flight.append((buf, group.broadcast(buf, args.src, entries[0][0]), entries[0][0], label))
-            sent += 1
+                s = sent % num_slots
+                if slots[s] is None or slots[s].numel() < bucket.nbytes:
+                    slots[s] = torch.empty(
+                        max(bucket.nbytes, min(capacity, 2 * bucket.nbytes)), dtype=torch.uint8, device=group.device
+                    )
+                buf = slots[s][: bucket.nbytes]
+            for i, offset, nbytes in bucket.entries:
+                buf[offset : offset + nbytes].copy_(pending[i][1])
+        for i, _, _ in bucket.entries:
+            del pending[i]
+        in_flight.append((buf, group.broadcast(buf, src, entries[0][0]), entries[0][0], label))
+        sent += 1
 
-        items = enumerate(iterator)
-        gave_up: BaseException | None = None
-        try:
-            while True:
-                try:
-                    index, (name, tensor) = next(items)
-                    if tensor.device != group.device:
-                        tensor = tensor.to(group.device)
-                    flat = flat_bytes(tensor)
-                except StopIteration:
-                    break
-                except Exception as e:  # the caller's iterator or tensor: the engines learn it and stay in step
-                    give_up(e)
-                    _finish_after_disagreement(group, None, [], in_flight)
-                    gave_up = e
-                    raise
-                closed = layout.place(index, flat.numel())
-                if closed is not None:
-                    send(closed)
-                pending[index] = ((name, dtype_name(tensor.dtype), list(tensor.shape)), flat)
-            last = layout.close()
-            if last is not None:
-                send(last)
-            if len(in_flight) >= num_slots:  # the end's header goes where the next bucket's would
-                complete_oldest()
-            agree_on([], 0, "the end of the update")
-            while in_flight:
-                complete_oldest()
-        except WeightTransferError as e:
-            _finish_after_disagreement(group, e, [], in_flight)
-            raise
-        except BaseException as e:
-            if e is not gave_up:  # out of the protocol's order: the engines cannot be followed any more
-                group.broken = group.broken or f"{type(e).__name__} in the middle of an update: {e}"
-            raise
+    items = enumerate(iterator)
+    gave_up: BaseException | None = None
+    try:
+        while True:
+            try:
+                index, item = next(items)
+                name, tensor = item[0], post_iter_func(item)
+                if tensor.device != group.device:
+                    tensor = tensor.to(group.device)
+                flat = flat_bytes(tensor)
+            except StopIteration:
+                break
+            except Exception as e:  # the caller's iterator or tensor: the engines learn it and stay in step
+                give_up(e)
+                _finish_after_disagreement(group, None, [], in_flight)
+                gave_up = e
+                raise
+            closed = layout.place(index, flat.numel())
+            if closed is not None:
+                send(closed)
+            pending[index] = ((name, dtype_name(tensor.dtype), list(tensor.shape)), flat)
+        last = layout.close()
+        if last is not None:
+            send(last)
+        if len(in_flight) >= num_slots:  # the end's header goes where the next bucket's would
+            complete_oldest()
+        agree_on([], 0, "the end of the update")
+        while in_flight:
+            complete_oldest()
+    except WeightTransferError as e:
+        _finish_after_disagreement(group, e, [], in_flight)
+        raise
+    except BaseException as e:
+        if e is not gave_up:  # out of the protocol's order: the engines cannot be followed any more
+            group.broken = group.broken or f"{type(e).__name__} in the middle of an update: {e}"
+        raise

@@ -11,11 +11,18 @@ overfills the last tensor into the bucket), and every tensor starts at an offset
 
 The receiver computes the layout from the update info (names, dtypes, shapes) alone; the sender
 computes it from the tensors as it iterates, with the same :class:`BucketLayout`.
+
+``packed_broadcast_producer`` / ``packed_broadcast_consumer`` have vLLM's names and arguments and run the nccl
+backend's packed send and receive (``layerwise/transfer/nccl.py``) over a ``WeightTransferGroup``: they work
+with each other and with ``NCCLWeightTransferEngine``, not with vLLM's own functions (the layout above, and
+the header agreed before each bucket, differ from vLLM's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -100,3 +107,99 @@ def unpack_bucket(
         view = buffer[offset : offset + nbytes].view(dtypes[i]).view(shapes[i])
         out.append((names[i], view))
     return out
+
+
+def packed_broadcast_producer(
+    iterator: Iterator[tuple[str, torch.Tensor]],
+    group: Any,
+    src: int,
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor],
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+    *,
+    verify: bool = False,
+) -> None:
+    """Trainer side of a packed update, with the name and arguments of vLLM's ``packed_broadcast_producer``.
+
+    ``post_iter_func((name, tensor))`` is called once per item, before that tensor is packed, and the tensor it
+    returns is copied into bucket ``b % num_buffers`` (uint8 [<= buffer_size_bytes], the layout of this
+    module); bucket b + 1 is packed while bucket b is in flight. This is what
+    ``NCCLWeightTransferEngine.trainer_send_weights`` runs with ``packed=True``.
+
+    Args:
+        iterator: (name, tensor) pairs in the order of the engines' update info.
+        group: the trainer's ``WeightTransferGroup`` (``NCCLWeightTransferEngine.trainer_init``), not vLLM's
+            PyNcclCommunicator.
+        src: the sending rank (this process's rank in ``group``: 0 for the trainer).
+        buffer_size_bytes / num_buffers: as the engines' ``packed_buffer_size_bytes`` / ``packed_num_buffers``.
+        verify: ours, keyword-only: compare each bucket's checksum with the engines' (see wire.py).
+    Raises:
+        ValueError: ``buffer_size_bytes`` or ``num_buffers`` not positive, or ``src`` is not this rank.
+        WeightTransferError / WeightTransferTimeoutError: as ``NCCLWeightTransferEngine.trainer_send_weights``.
+    """
+    from layerwise.transfer.nccl import send_broadcast  # nccl imports this module
+
+    _check_packing(buffer_size_bytes, num_buffers)
+    send_broadcast(
+        iterator,
+        group,
+        src=src,
+        post_iter_func=post_iter_func,
+        capacity=buffer_size_bytes,
+        num_slots=num_buffers,
+        verify=verify,
+    )
+
+
+def packed_broadcast_consumer(
+    iterator: Iterator[tuple[str, tuple[list[int], torch.dtype | str]]],
+    group: Any,
+    src: int,
+    post_unpack_func: Callable[[list[tuple[str, torch.Tensor]]], None],
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+    *,
+    verify: bool = False,
+) -> None:
+    """Engine side of a packed update, with the name and arguments of vLLM's ``packed_broadcast_consumer``.
+
+    Receives the buckets :func:`packed_broadcast_producer` sends and calls ``post_unpack_func`` once per bucket
+    with its (name, tensor) views (valid until ``post_unpack_func`` returns: the slot is refilled next). This is
+    what ``NCCLWeightTransferEngine.receive_weights`` runs for a packed update.
+
+    Args:
+        iterator: (name, (shape, dtype)) of every tensor, in send order; dtype a torch.dtype or its name
+            ("bfloat16"). Read whole before the first bucket (the layout needs every size).
+        group: the engine's ``WeightTransferGroup`` (``NCCLWeightTransferEngine.group``); buckets land on its
+            device.
+        src: the trainer's rank (0).
+        buffer_size_bytes / num_buffers / verify: must equal the producer's.
+    Raises:
+        ValueError: ``buffer_size_bytes`` or ``num_buffers`` not positive, or an unknown dtype name.
+        WeightTransferError / WeightTransferTimeoutError: as ``NCCLWeightTransferEngine.receive_weights``.
+        whatever ``post_unpack_func`` raised first (the rest of the update is received and dropped before).
+    """
+    from layerwise.transfer.base import parse_dtype_name
+    from layerwise.transfer.nccl import receive_broadcast  # nccl imports this module
+
+    _check_packing(buffer_size_bytes, num_buffers)
+    tensors = [
+        (name, dtype if isinstance(dtype, torch.dtype) else parse_dtype_name(dtype, name), list(shape))
+        for name, (shape, dtype) in iterator
+    ]
+    receive_broadcast(
+        group,
+        tensors,
+        post_unpack_func,
+        src=src,
+        capacity=buffer_size_bytes,
+        num_slots=num_buffers,
+        verify=verify,
+    )
+
+
+def _check_packing(buffer_size_bytes: int, num_buffers: int) -> None:
+    if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes <= 0:
+        raise ValueError(f"buffer_size_bytes must be a positive int, got {buffer_size_bytes!r}")
+    if isinstance(num_buffers, bool) or not isinstance(num_buffers, int) or num_buffers < 1:
+        raise ValueError(f"num_buffers must be an int >= 1, got {num_buffers!r}")

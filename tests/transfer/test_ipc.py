@@ -96,8 +96,9 @@ def test_opt_in_is_required():
     update = {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]], "ipc_handles_pickled": "gARdlC4="}
     with pytest.raises(RuntimeError, match="init_transfer_engine"):
         engine.receive_weights(update, lambda weights: None)
+    engine.init_transfer_engine({})  # accepted, as vLLM's; the opt-in now guards unpickling itself
     with pytest.raises(ValueError, match="allow_pickled_handles=True"):
-        engine.init_transfer_engine({})
+        engine.receive_weights(update, lambda weights: None)
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['allow_pickle'\]"):
         engine.parse_init_info({"allow_pickle": True})
     with pytest.raises(ValueError, match="exactly one of ipc_handles and ipc_handles_pickled"):
