@@ -17,9 +17,10 @@ from layerwise.checkpoint import Checkpoint, group_name
 from layerwise.config import ModelConfig
 from layerwise.distributed import TPContext
 from layerwise.dtypes import parse_dtype
-from layerwise.errors import ConfigError, DeviceError, LayerwiseError, ReloadError, WeightShapeError
+from layerwise.errors import ConfigError, DeviceError, LayerwiseError, ReloadError, WeightDtypeError, WeightShapeError
 from layerwise.kernels import resolve_kernel
 from layerwise.memory import DeviceMemoryTracker, tensor_bytes
+from layerwise.quant.checkpoint_fp8 import Fp8CheckpointFormat, Fp8CheckpointLinearMethod, resolve_scheme
 from layerwise.quant.config import QuantConfig
 from layerwise.registry import get_model_class
 from layerwise.reload.deferred import model_defers_checks
@@ -171,9 +172,11 @@ def load_model_with_report(
     ckpt = Checkpoint(path, mmap=mmap)
     config = ModelConfig.from_dict(ckpt.config, ckpt.config_path)
     arch, model_cls = get_model_class(config, ckpt.config_path)
+    fp8_format = Fp8CheckpointFormat.from_config(ckpt.config, ckpt.config_path)
     params_dtype = parse_dtype(dtype) or config.dtype or torch.bfloat16
     amax_reduce = (lambda a: tp.all_reduce(a, "max")) if global_scales and tp.size > 1 else None
-    quant_config = QuantConfig(quantization, resolve_kernel(kernel, device), fp8_mode, amax_reduce)
+    quantization = resolve_scheme(quantization, fp8_format)
+    quant_config = QuantConfig(quantization, resolve_kernel(kernel, device), fp8_mode, amax_reduce, fp8_format)
     groups = ckpt.group_bytes()
     tracker = DeviceMemoryTracker(device) if track_memory else contextlib.nullcontext()
     completed = False
@@ -248,7 +251,10 @@ def load_model(
         path: directory with config.json and *.safetensors (model.safetensors or an index.json).
         quantization: a scheme (case-insensitive): "fp8" (= "fp8-per-tensor": float8_e4m3fn
             weights, float32 per-tensor ``weight_scale``), "fp8-per-channel", "fp8-per-block",
-            "torchao:<Config>", or None / "none" (checkpoint dtype, or ``dtype``).
+            "torchao:<Config>", or None / "none" (checkpoint dtype, or ``dtype``). A pre-quantized FP8
+            checkpoint (config.json ``quantization_config``, ``layerwise.quant.checkpoint_fp8``): "fp8" keeps
+            its own layout, the file's bytes and scales; another scheme re-quantizes its dequantized weights;
+            None dequantizes them into ``dtype``.
         device: target device ("cpu", "cuda", "cuda:1", torch.device).
         dtype: dtype of unquantized parameters (embeddings, norms, lm_head, and all Linear weights
             with quantization none): torch.dtype or name; default: config.json's dtype, else bf16.
@@ -275,10 +281,13 @@ def load_model(
     Raises:
         CheckpointError: unusable directory (no config.json, missing or truncated shard, bad index, a tensor
             of an unsupported dtype); its subclass ConfigError: a config.json that lacks a required field or holds
-            a value the model refuses (an unknown rope_type, a bad sliding_window or layer_types). Names the file.
+            a value the model refuses (an unknown rope_type, a bad sliding_window or layer_types, a
+            quantization_config that is not an FP8 layout layerwise reads). Names the file.
         UnsupportedArchitectureError: config.json names no supported architecture.
         UnexpectedWeightError / WeightShapeError / NonFiniteWeightError / MissingWeightError /
-        DuplicateWeightError: a bad tensor; the error names the tensor key and file.
+        DuplicateWeightError: a bad tensor; the error names the tensor key and file. WeightDtypeError (a
+        WeightShapeError): a tensor of a dtype its parameter must not be cast from (float8 where the checkpoint
+        has no quantization_config, integers); MissingScaleError: an FP8 weight without its scale.
         DeviceError: ``device`` is not cpu or a CUDA GPU that this torch build sees (a CPU-only torch asked for
             cuda names its version); raised before the checkpoint is opened (see :func:`resolve_device`).
         ValueError: an unknown scheme (the message suggests the nearest one), dtype, kernel or fp8_mode.
@@ -322,8 +331,28 @@ def _open_weights(model: nn.Module, weights: Weights, lazy: bool):
                     f"model's {getattr(own, name)}",
                     file=ckpt.config_path,
                 )
+        fp8_format = Fp8CheckpointFormat.from_config(ckpt.config, ckpt.config_path)
+        own_format = checkpoint_fp8_format(model)
+        if lazy and fp8_format != own_format:  # lazy: a checkpoint-format reload (kernel format: the model's names)
+            described = fp8_format.describe() if fp8_format else "unquantized (no quantization_config)"
+            raise WeightDtypeError(
+                f"the checkpoint's linear weights are {described}, the live model was loaded from "
+                f"{own_format.describe() if own_format else 'an unquantized checkpoint'}: a reload takes weights in "
+                f"the format the model was loaded from; load the model from this checkpoint instead",
+                file=ckpt.config_path,
+            )
         return (ckpt.iter_lazy() if lazy else ckpt), ckpt.file_of  # lazy: each rank reads only its slices
     return weights, None
+
+
+def checkpoint_fp8_format(model: nn.Module) -> Fp8CheckpointFormat | None:
+    """The FP8 checkpoint layout ``model`` was loaded from (and so takes on a checkpoint-format reload or weight
+    update), or None for a model loaded from an unquantized checkpoint."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, Fp8CheckpointLinearMethod):
+            return method.fmt
+    return None
 
 
 def reload_weights(

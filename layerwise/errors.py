@@ -64,12 +64,26 @@ class WeightShapeError(LayerwiseError, ValueError):
     another dtype) does not fit the parameter (region) it is loaded into."""
 
 
+class WeightDtypeError(WeightShapeError):
+    """A checkpoint tensor's dtype does not fit the parameter it is loaded into, so a copy would cast it silently:
+    an integer or bool tensor for a floating-point parameter, a float8 tensor for a parameter that is not float8
+    (a model loaded from a BF16 checkpoint: its e4m3 values read as BF16 would be thousands of times too large),
+    a tensor that is not float8 for the float8 weight of a model loaded from an FP8 checkpoint, or another float8
+    variant (e5m2 for e4m3). Raised while the tensor is routed, before anything is written; names key and dtype."""
+
+
 class NonFiniteWeightError(LayerwiseError, ValueError):
     """A tensor to be loaded or quantized holds NaN or Inf (it would poison an FP8 scale)."""
 
 
 class MissingWeightError(LayerwiseError):
     """Some parameter (or part of one) was never provided by the checkpoint."""
+
+
+class MissingScaleError(WeightDtypeError, MissingWeightError):
+    """The float8 weight of a module of an FP8 checkpoint arrived without its scale (``weight_scale_inv`` /
+    ``weight_scale``), or the scale without its weight: the two are one unit, and neither is written without the
+    other. ``key`` names the tensor that did not arrive. On a reload the error is also a ReloadError."""
 
 
 class DuplicateWeightError(LayerwiseError):

@@ -12,7 +12,9 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from layerwise.errors import ConfigError
 from layerwise.quant.base import QuantMethod, UnquantizedLinearMethod
+from layerwise.quant.checkpoint_fp8 import Fp8CheckpointFormat, Fp8CheckpointLinearMethod
 from layerwise.quant.fp8 import FP8_MODES, Fp8LinearMethod
 from layerwise.quant.fp8_moe import Fp8MoEMethod
 from layerwise.quant.moe_base import FusedMoEMethodBase, UnquantizedFusedMoEMethod
@@ -177,6 +179,8 @@ class QuantConfig:
         fp8_mode: "auto", "w8a8" or "w8a16" (see :class:`layerwise.quant.fp8.Fp8LinearMethod`).
         amax_reduce: under tensor parallelism with global scales, the in-place max-reduction of a float32
             amax over the group, given to FP8 per-tensor methods (None: each rank's local amax).
+        checkpoint_format: the layout of a pre-quantized FP8 checkpoint (None: the checkpoint's linear weights are
+            unquantized). Its linears then load through :class:`Fp8CheckpointLinearMethod` into the scheme's method.
     Only decoder Linear layers are quantized; embeddings, norms and lm_head keep the checkpoint dtype.
     Raises:
         ValueError: unknown scheme or fp8_mode; a torchao config that does not exist.
@@ -187,6 +191,7 @@ class QuantConfig:
     kernel: str = "torch"
     fp8_mode: str = "auto"
     amax_reduce: Callable | None = field(default=None, compare=False, repr=False)
+    checkpoint_format: Fp8CheckpointFormat | None = None
     scheme: str = field(init=False)  # canonical: "fp8-per-tensor", "torchao:Float8WeightOnlyConfig", "none"
     _argument: str | None = field(init=False, repr=False)
     _entry: _Scheme = field(init=False, repr=False, compare=False)  # the registered scheme, looked up once
@@ -203,15 +208,32 @@ class QuantConfig:
         object.__setattr__(self, "_entry", _SCHEMES[name])
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        """A new method for the Linear layer at ``prefix`` (e.g. "model.layers.0.mlp.down_proj")."""
-        return self._entry.factory(self._argument, self.kernel, self.fp8_mode, self.amax_reduce)
+        """A new method for the Linear layer at ``prefix`` (e.g. "model.layers.0.mlp.down_proj"); for a linear the FP8
+        checkpoint stores in FP8, one that reads its FP8 weight and scale first.
+
+        Raises:
+            ConfigError: the FP8 checkpoint lists only some of a fused layer's modules as unquantized.
+        """
+        method = self._entry.factory(self._argument, self.kernel, self.fp8_mode, self.amax_reduce)
+        fmt = self.checkpoint_format
+        if fmt is None or fmt.is_ignored(prefix):
+            return method
+        return Fp8CheckpointLinearMethod(fmt, method)
 
     def get_moe_method(self, prefix: str) -> FusedMoEMethodBase:
         """A new method for the experts of the fused-MoE layer at ``prefix`` (e.g. "model.layers.0.mlp.experts").
 
         Raises:
             ValueError: the scheme has no MoE method (torchao configs); the message lists the schemes that do.
+            ConfigError: the checkpoint stores these experts in FP8 (not read yet; raised while the model is built).
         """
+        fmt = self.checkpoint_format
+        if fmt is not None and not fmt.is_ignored(prefix):
+            raise ConfigError(
+                f"config.json quantization_config: {prefix} holds FP8 experts ({fmt.describe()}); layerwise reads FP8 "
+                f"checkpoints of dense models only so far: load the model's BF16 checkpoint (quantization= "
+                f"quantizes its experts on the fly)"
+            )
         moe = self._entry.moe
         if moe is None:
             supported = ", ".join(n for n, s in _SCHEMES.items() if s.moe is not None)

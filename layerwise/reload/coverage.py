@@ -13,6 +13,8 @@ from collections.abc import Hashable
 
 from torch import nn
 
+from layerwise.errors import MissingScaleError
+from layerwise.quant.checkpoint_fp8 import FUSED_SHARDS, Fp8CheckpointLinearMethod
 from layerwise.reload.types import LayerReloadingInfo, coverage, unwritten_in_range
 
 
@@ -70,3 +72,37 @@ def _unit_problems(module: nn.Module, info: LayerReloadingInfo, first_load: bool
         hidden = len(problems) - _MAX_UNIT_PROBLEMS
         problems = problems[:_MAX_UNIT_PROBLEMS] + [f"... and {hidden} more tensors of {info.prefix}"]
     return problems
+
+
+def _unpaired_fp8(module: nn.Module, info: LayerReloadingInfo) -> MissingScaleError | None:
+    """The error for a module of an FP8 checkpoint in which some checkpoint module (one fused shard: q_proj of qkv_proj)
+    received its whole float8 weight but not its scale, or its whole scale but not its weight (the pair is one unit:
+    neither was written), naming the checkpoint key that did not arrive and the weight's dtype; None otherwise."""
+    method = getattr(module, "quant_method", None)
+    if not isinstance(method, Fp8CheckpointLinearMethod):
+        return None
+    scale_name = method.fmt.scale_name
+    weight, scale = info.restore_metadata["weight"], info.restore_metadata[scale_name]
+    weight_row, scale_row = weight.shape[1], scale.shape[1]  # elements per row of each
+    parent, _, name = info.prefix.rpartition(".")
+    shards = FUSED_SHARDS.get(name, ()) if len(method.output_sizes) > 1 else ()
+    row = scale_rows = 0
+    for i, rows in enumerate(method.output_sizes):
+        n_scale = -(-rows // 128) if method.fmt.granularity == "block" else rows
+        lacks_weight = unwritten_in_range(info.writes["weight"], row * weight_row, (row + rows) * weight_row)
+        lacks_scale = unwritten_in_range(
+            info.writes[scale_name], scale_rows * scale_row, (scale_rows + n_scale) * scale_row
+        )
+        row, scale_rows = row + rows, scale_rows + n_scale
+        if (lacks_weight == 0) == (lacks_scale == 0):
+            continue
+        absent = scale_name if lacks_weight == 0 else "weight"
+        key = f"{parent}.{shards[i]}.{absent}" if shards else f"{info.prefix}.{absent}"
+        dtype = str(weight.dtype).removeprefix("torch.")
+        what = f"its FP8 weight ({dtype}) without its scale" if absent == scale_name else f"a scale without its {dtype}"
+        return MissingScaleError(
+            f"{info.prefix} received {what}: {key} never arrived (or only part of it), so neither was written; an "
+            f"FP8 weight and its {scale_name} are one unit: send both",
+            key=key,
+        )
+    return None

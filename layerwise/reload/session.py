@@ -30,10 +30,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from layerwise.errors import MissingWeightError, NonFiniteWeightError, ReloadError
+from layerwise.errors import MissingScaleError, MissingWeightError, NonFiniteWeightError, ReloadError
 from layerwise.quant.parameters import ModelWeightParameter
 from layerwise.reload.buffering import online_process_loader
-from layerwise.reload.coverage import _coverage_problems, _unit_problems
+from layerwise.reload.coverage import _coverage_problems, _unit_problems, _unpaired_fp8
 from layerwise.reload.deferred import (
     _add_non_finite,
     _failed_deferred,
@@ -229,7 +229,13 @@ def finalize_layerwise_reload(model: nn.Module) -> ReloadSession:
             missing, doubled = _coverage_problems(info)
             problems.extend(doubled + missing)
     if problems:
+        unpaired = next(filter(None, (_unpaired_fp8(m, get_layerwise_info(m)) for m in session.modules.values())), None)
         updated = abort_layerwise_reload(model)
+        if unpaired is not None:  # a named FP8 weight / scale pair first, then the whole list
+            message = f"{unpaired.message}; in all: {'; '.join(problems)}"
+            if session.first_load:
+                raise MissingScaleError(message, key=unpaired.key)
+            raise _MissingScaleOnReload(f"reload incomplete: {message}", updated_modules=updated, key=unpaired.key)
         if session.first_load:
             raise MissingWeightError("checkpoint does not provide: " + "; ".join(problems))
         raise _MissingOnReload("reload incomplete: " + "; ".join(problems), updated_modules=updated)
@@ -353,6 +359,10 @@ def _close(info: LayerReloadingInfo) -> None:
 
 class _MissingOnReload(ReloadError, MissingWeightError):
     """A reload ended with a module only partly written."""
+
+
+class _MissingScaleOnReload(ReloadError, MissingScaleError):
+    """A reload ended with an FP8 module that received its weight without its scale (or the reverse)."""
 
 
 class _NonFiniteOnReload(ReloadError, NonFiniteWeightError):
