@@ -284,7 +284,10 @@ class Fp8CheckpointLinearMethod(QuantMethod):
         """The target's scale tensor when the file's bytes ``q`` with ``scale`` are already the target's kernel
         tensors, else None."""
         target = self.target
-        if not isinstance(target, Fp8LinearMethod) or target.amax_reduce is not None:
+        # under tensor parallelism the file's bytes are already every rank's slice of the unsharded layer, global
+        # scales or not; each decision below is the same on every rank (a per-tensor shard's scale is one number
+        # every rank reads), so the ranks that re-quantize (and may all-reduce an amax) are all of them or none
+        if not isinstance(target, Fp8LinearMethod):
             return None
         if self.fmt.granularity == "block":
             # the fused grid is the shards' grids stacked when every shard but the last fills whole block rows
@@ -292,7 +295,7 @@ class Fp8CheckpointLinearMethod(QuantMethod):
             return scale if target.granularity == "block" and aligned else None
         if target.granularity == "channel":
             return scale
-        if target.granularity == "tensor" and bool((scale == scale[0]).all()):
+        if target.granularity == "tensor" and self.fmt.granularity == "tensor" and bool((scale == scale[0]).all()):
             return scale[0].reshape(1)
         return None
 

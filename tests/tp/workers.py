@@ -125,3 +125,11 @@ def engine_kv_scales(group, path, prompt):
     engine = Engine(model, max_batch_size=1, max_seq_len=32, kv_cache_dtype="fp8")
     (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     return engine.kv_scales(), out.outputs[0].token_ids
+
+
+def load_fp8_checkpoint(group, path, ids):
+    """Load this rank's shard of a pre-quantized FP8 checkpoint; its kernel tensors and logits (fp32 activations)."""
+    model = layerwise.load_model(path, quantization="fp8", dtype="float32", tp_group=group)
+    with torch.no_grad():
+        logits = model(ids)
+    return {"logits": logits, "tensors": _tensors(model)}
