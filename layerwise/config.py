@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from layerwise.config_fields import ARCHITECTURES, check_config_fields, rope_scaling_of
 from layerwise.dtypes import DTYPES
 from layerwise.errors import ConfigError
 
@@ -16,6 +17,7 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 #: defaults to max_position_embeddings)
 ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "linear": ("factor",),
     "longrope": ("short_factor", "long_factor"),
 }
 
@@ -36,8 +38,10 @@ class ModelConfig:
     Mixtral ``num_local_experts``), ``num_experts_per_tok`` (k), ``moe_intermediate_size`` (I per
     expert; Mixtral's experts use ``intermediate_size``), ``decoder_sparse_step`` and
     ``mlp_only_layers`` (Qwen3-MoE: which decoder layers are dense), ``norm_topk_prob`` (Qwen3-MoE
-    renormalizes the top-k weights only when set; Mixtral always does). ``router_jitter_noise`` is a
-    training-time option and is ignored.
+    renormalizes the top-k weights only when set; Mixtral always does).
+
+    Which config.json fields each architecture honours, refuses (ConfigError, raised here) or ignores:
+    :data:`layerwise.config_fields.CONFIG_FIELDS`.
     """
 
     architectures: list
@@ -54,6 +58,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
     sliding_window: int | None = None
     layer_types: list | None = None
     max_window_layers: int = 28
@@ -74,7 +80,8 @@ class ModelConfig:
         Raises:
             ConfigError: a field of :data:`REQUIRED_FIELDS` is absent, null or not a positive integer, a rope
                 scaling lacks a key its type needs (:data:`ROPE_SCALING_KEYS`), or ``architectures`` is neither a
-                list nor a string.
+                list nor a string, or a field is set to a value that the architecture does not implement
+                (:func:`layerwise.config_fields.check_config_fields`).
         """
         missing = [name for name in REQUIRED_FIELDS if d.get(name) is None]
         if missing:
@@ -89,11 +96,13 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json architectures must be a list of class names, got {architectures!r}", file=source
             )
+        # the first supported architecture, as the registry picks it (None: the registry refuses them all)
+        arch = next((a for a in architectures if a in ARCHITECTURES), None)
+        check_config_fields(d, arch, source)
         rope = dict(d.get("rope_parameters") or {})
-        legacy_scaling = d.get("rope_scaling")
         rope_theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         partial_rotary_factor = rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-        scaling = legacy_scaling if legacy_scaling else rope
+        scaling = rope_scaling_of(d) if d.get("rope_scaling") else rope
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type in ("llama3", "yarn", "longrope"):  # as transformers' standardize_rope_params
             original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
@@ -122,6 +131,8 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            hidden_act=d.get("hidden_act") or "silu",
             sliding_window=d.get("sliding_window") if use_window else None,
             layer_types=list(d["layer_types"]) if d.get("layer_types") else None,
             # transformers' Qwen2Config / Qwen3Config default: 28
@@ -130,7 +141,10 @@ class ModelConfig:
             dtype=DTYPES.get(dtype_name.lower()) if isinstance(dtype_name, str) else None,
             num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+            # Mixtral's experts are of intermediate_size (transformers' MixtralConfig has no moe_intermediate_size)
+            moe_intermediate_size=int(
+                (arch != "MixtralForCausalLM" and d.get("moe_intermediate_size")) or d["intermediate_size"]
+            ),
             decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
             mlp_only_layers=list(d.get("mlp_only_layers") or []),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),

@@ -23,12 +23,9 @@ def hf_config(
     tie: bool | None = None,
     **overrides,
 ):
-    """A tiny transformers config of ``arch``; ``overrides`` (Qwen2/Qwen3, Mistral, Phi3 and the MoE
-    architectures) replace its fields."""
+    """A tiny transformers config of ``arch``; ``overrides`` replace its fields."""
     import transformers
 
-    if overrides and arch == "LlamaForCausalLM":
-        raise ValueError(f"config overrides are not implemented for {arch}")
     common = dict(
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -50,7 +47,7 @@ def hf_config(
             "original_max_position_embeddings": 64,
         }
         return transformers.LlamaConfig(
-            **common, rope_parameters=rope, tie_word_embeddings=False if tie is None else tie
+            **{**common, "rope_parameters": rope, "tie_word_embeddings": False if tie is None else tie, **overrides}
         )
     if arch == "Qwen2ForCausalLM":
         return transformers.Qwen2Config(

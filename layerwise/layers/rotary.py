@@ -1,7 +1,9 @@
 """Rotary position embeddings (Su et al., RoFormer, 2021), "rotate half" layout as in transformers.
 
-Supports the default frequencies, Llama 3's ``rope_type: llama3`` scaling (the piecewise
-smoothing of transformers' ``_compute_llama3_parameters``) and LongRoPE (Ding et al., 2024;
+Supports the default frequencies, linear scaling (``rope_type: linear``: frequencies divided by
+``factor``), YaRN (Peng et al., 2023; ``rope_type: yarn``, transformers' ``_compute_yarn_parameters``),
+Llama 3's ``rope_type: llama3`` scaling (the piecewise smoothing of transformers'
+``_compute_llama3_parameters``) and LongRoPE (Ding et al., 2024;
 ``rope_type: longrope``, Phi-3 128k: short or long per-frequency factors, chosen per call as in
 transformers' ``longrope_frequency_update``). A partial rotary dimension (Phi-3's
 ``partial_rotary_factor``) rotates the first ``rotary_dim`` features of each head and passes the rest.
@@ -23,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from layerwise.config_fields import ROPE_TYPES
 from layerwise.errors import ConfigError
 
 
@@ -45,6 +48,50 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def yarn_inv_freq(
+    rotary_dim: int, theta: float, scaling: dict, max_position_embeddings: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, float]:
+    """YaRN frequencies as transformers' ``_compute_yarn_parameters``: interpolated (divided by ``factor``) below the
+    correction range of wavelengths, extrapolated (kept) above it, a linear ramp between.
+
+    Args:
+        scaling: factor (default max_position_embeddings / original), original_max_position_embeddings, and
+            optionally attention_factor, mscale, mscale_all_dim, beta_fast (32), beta_slow (1), truncate (True).
+    Returns:
+        inv_freq float32 [rotary_dim / 2], and the cos/sin multiplier (attention_factor; default
+        0.1 * ln(factor) + 1, or the ratio of the mscale and mscale_all_dim terms when both are set).
+    """
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+
+    def get_mscale(scale, mscale=1):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):  # the dimension whose wavelength turns num_rotations times in original
+        return (rotary_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, device=device).to(torch.float32) / rotary_dim)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: divide it by factor
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
 
 
 def longrope_inv_freq(
@@ -109,13 +156,19 @@ class RotaryEmbedding(nn.Module):
         rope_type = (rope_scaling or {}).get("rope_type", "default")
         if rope_type == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / rope_scaling["factor"]
+        elif rope_type == "yarn":
+            inv_freq, self.attention_factor = yarn_inv_freq(
+                self.rotary_dim, rope_theta, rope_scaling, max_position_embeddings, device
+            )
         elif rope_type == "longrope":
             inv_freq, long_inv_freq, self.attention_factor = longrope_inv_freq(
                 self.rotary_dim, rope_theta, rope_scaling, max_position_embeddings, device
             )
             self.original_max_position_embeddings = rope_scaling["original_max_position_embeddings"]
         elif rope_type != "default":
-            raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, longrope)")
+            raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 

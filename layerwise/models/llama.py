@@ -7,11 +7,11 @@ except that q/k/v and gate/up are fused layers that declare the checkpoint names
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from layerwise.checkpoint import decoder_layer
 from layerwise.config import ModelConfig
+from layerwise.config_fields import ACTIVATIONS
 from layerwise.distributed import NO_TP, TPContext
 from layerwise.errors import ConfigError
 from layerwise.layers.attention import AttentionMetadata, attention, cache_mask
@@ -25,7 +25,8 @@ from layerwise.quant.config import QuantConfig
 
 
 class LlamaMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up fused as gate_up_proj."""
+    """down_proj(act(gate_proj(x)) * up_proj(x)), gate and up fused as gate_up_proj; act is ``config.hidden_act``
+    (:data:`~layerwise.config_fields.ACTIVATIONS`, SiLU by default), biases with ``config.mlp_bias``."""
 
     def __init__(
         self,
@@ -41,7 +42,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size,
             [config.intermediate_size] * 2,
             checkpoint_shards={"gate_proj": 0, "up_proj": 1},
-            bias=False,
+            bias=config.mlp_bias,
             quant_method=quant_config.get_linear_method(f"{prefix}.gate_up_proj"),
             params_dtype=params_dtype,
             prefix=f"{prefix}.gate_up_proj",
@@ -50,17 +51,18 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             config.intermediate_size,
             config.hidden_size,
-            bias=False,
+            bias=config.mlp_bias,
             quant_method=quant_config.get_linear_method(f"{prefix}.down_proj"),
             params_dtype=params_dtype,
             prefix=f"{prefix}.down_proj",
             tp=tp,
         )
+        self.act_fn = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden] in x.dtype."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 def layer_index(prefix: str) -> int:
