@@ -52,12 +52,16 @@ def load_model_with_report(*args, **kwargs):
 
 
 def _scheme(text: str) -> str:
+    """argparse type of --quantization: the canonical scheme name, except "fp8", kept as given: on a pre-quantized
+    FP8 checkpoint it means the checkpoint's own layout (``layerwise.quant.checkpoint_fp8.resolve_scheme``)."""
     from layerwise.quant.config import parse_scheme
 
     try:
         name, argument = parse_scheme(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+    if text.strip().lower() == "fp8":
+        return "fp8"
     return f"{name}:{argument}" if argument else name
 
 

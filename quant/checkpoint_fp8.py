@@ -22,10 +22,11 @@ into the kernel tensors of the scheme the user asked for (``target``):
 - the same layout: the file's bytes and scales are kept as they are (fp8-per-block from a block checkpoint whose
   fused shards each start on a whole block; fp8-per-channel from a per-tensor or per-channel checkpoint, a per-tensor
   scale repeated over its rows; fp8-per-tensor where every row of the layer has the same scale);
-- anything else: the weight is dequantized (float32 weight x scale) and handed to the target method as a BF16
-  checkpoint's weight would be (re-quantized by an FP8 scheme or torchao; ``quantization=None`` keeps the
-  dequantized weight in the parameters' dtype). vLLM, given per-tensor shards with different scales, re-quantizes
-  a fused layer to their maximum; here the dequantized layer gets a scale of its own amax.
+- anything else: the weight is dequantized (weight x scale in float32, rounded to the parameters' dtype, 128 rows
+  at a time) and handed to the target method as the BF16 checkpoint of the dequantized weights would be
+  (re-quantized by an FP8 scheme or torchao; ``quantization=None`` keeps the dequantized weight). vLLM, given
+  per-tensor shards with different scales, re-quantizes a fused layer to their maximum; here the dequantized layer
+  gets a scale of its own amax.
 
 Activations are quantized dynamically (per token / tensor / token group, as for every FP8 scheme here): a checkpoint
 with static activation scales is refused when its config is read, as are other formats (e5m2, other block shapes,
@@ -299,16 +300,22 @@ class Fp8CheckpointLinearMethod(QuantMethod):
             return scale[0].reshape(1)
         return None
 
-    def dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's loaded FP8 weight times its scale, [out, in] in ``dtype`` (computed in float32)."""
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's loaded FP8 weight times its scale, [out, in] in the parameters' dtype: each product in float32,
+        then rounded, as the BF16 checkpoint of the dequantized weights would hold it. Computed a 128-row block at a
+        time, so the float32 temporary is 128 rows, not the layer."""
         q, scale = layer.weight.data, getattr(layer, self.fmt.scale_name).data
-        if self.fmt.granularity != "block":
-            return fp8_dequantize(q, scale, dtype)
-        out, row, grid_row = torch.empty(q.shape, dtype=dtype, device=q.device), 0, 0
-        for n in self.output_sizes:  # each fused shard with its own block rows
-            blocks = -(-n // BLOCK[0])
-            out[row : row + n] = fp8_dequantize(q[row : row + n], scale[grid_row : grid_row + blocks], dtype)
-            row, grid_row = row + n, grid_row + blocks
+        out = torch.empty(q.shape, dtype=self.params_dtype, device=q.device)
+        row = grid_row = 0
+        for n in self.output_sizes:  # each fused shard with its own scale rows (block rows)
+            for start in range(0, n, BLOCK[0]):
+                rows = slice(row + start, row + min(n, start + BLOCK[0]))
+                if self.fmt.granularity == "block":
+                    scales = scale[grid_row + start // BLOCK[0]].unsqueeze(0)
+                else:
+                    scales = scale[rows]
+                out[rows] = fp8_dequantize(q[rows], scales, self.params_dtype)
+            row, grid_row = row + n, grid_row + -(-n // BLOCK[0])
         return out
 
     def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
@@ -329,8 +336,7 @@ class Fp8CheckpointLinearMethod(QuantMethod):
             layer.weight = nn.Parameter(q.clone(), requires_grad=False)
             layer.register_parameter(self.target.scale_name, nn.Parameter(kept.clone(), requires_grad=False))
             return
-        dtype = torch.float32 if isinstance(self.target, Fp8LinearMethod) else self.params_dtype
-        w = self.dequantized(layer, dtype)
+        w = self.dequantized(layer)
         delattr(layer, scale_name)
         layer.weight = nn.Parameter(w, requires_grad=False)
         self.target.process_weights_after_loading(layer, into)

@@ -73,9 +73,11 @@ def _file_pair(files: dict, layer: int, name: str) -> tuple[torch.Tensor, torch.
 
 
 def _dequantized(files: dict, layer: int, name: str) -> torch.Tensor:
+    """The linear's weight as the BF16 checkpoint of the dequantized weights holds it (float32 product, rounded)."""
     parent, short = name.split(".")
     parts = [files[f"model.layers.{layer}.{parent}.{p}.weight"] for p in FUSED.get(short, (short,))]
-    return torch.cat([dequantize_blocks(q, s) if s.dim() == 2 and s.shape[1] > 1 else q.float() * s for q, s in parts])
+    exact = [dequantize_blocks(q, s) if s.dim() == 2 and s.shape[1] > 1 else q.float() * s for q, s in parts]
+    return torch.cat(exact).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-per-block"])
@@ -117,6 +119,7 @@ def test_quantization_none_dequantizes_to_the_bf16_model(ckpts):
 
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
 def test_another_scheme_requantizes_the_dequantized_weights(ckpts, granularity):
+    """As the BF16 checkpoint of the dequantized weights loads with that scheme: torch's own cast of its weights."""
     paths, files = ckpts
     model = layerwise.load_model(paths["block0"], quantization=f"fp8-per-{granularity}")
     for name in LINEARS:
@@ -124,6 +127,7 @@ def test_another_scheme_requantizes_the_dequantized_weights(ckpts, granularity):
         q, scale = _expected_fp8(_dequantized(files["block0"], 1, name), granularity)
         assert torch.equal(_bytes(module.weight), _bytes(q)), name
         torch.testing.assert_close(module.weight_scale, scale, rtol=0, atol=0)
+    assert torch.equal(model(IDS), layerwise.load_model(paths["deq0"], quantization=f"fp8-per-{granularity}")(IDS))
 
 
 def test_unaligned_fused_shards_are_requantized_per_block(ckpts):
