@@ -308,14 +308,21 @@ def _honoured_by(row: Field) -> str:
     return "; ".join(parts) or "none: refused"
 
 
-def render_markdown() -> str:
-    """:data:`CONFIG_FIELDS` as a Markdown table for the README: the fields, the architectures that honour them (and
-    with which values), and a note. Every other architecture refuses a value that changes anything (ConfigError)."""
-    lines = [
-        "| config.json field | honoured by (else: ConfigError) | note |",
-        "|---|---|---|",
-    ]
+def render_markdown(notes: bool = True) -> str:
+    """:data:`CONFIG_FIELDS` as a Markdown table: the fields, the architectures that honour them (and with which
+    values) and, with ``notes``, what each does. Every other architecture refuses a value that changes anything
+    (ConfigError). ``notes=False`` is the README's table, without the ignored fields and quantization_config;
+    docs/api.md has the whole one with notes (tests/test_docs.py checks both against this function)."""
+    if notes:
+        lines = ["| config.json field | honoured by (else: ConfigError) | note |", "|---|---|---|"]
+        for row in CONFIG_FIELDS:
+            lines.append(f"| {', '.join(f'`{k}`' for k in row.keys)} | {_honoured_by(row)} | {row.doc} |")
+        return "\n".join(lines) + "\n"
+    by_support: dict[str, list[str]] = {}  # without notes: one row per distinct "honoured by", ignored rows left out
     for row in CONFIG_FIELDS:
-        keys = ", ".join(f"`{k}`" for k in row.keys)
-        lines.append(f"| {keys} | {_honoured_by(row)} | {row.doc} |")
+        if row.status in (IGNORED, FP8):
+            continue
+        by_support.setdefault(_honoured_by(row), []).extend(row.keys)
+    lines = ["| config.json field | honoured by (else: ConfigError) |", "|---|---|"]
+    lines += [f"| {', '.join(f'`{k}`' for k in keys)} | {support} |" for support, keys in by_support.items()]
     return "\n".join(lines) + "\n"

@@ -88,3 +88,14 @@ def test_the_readme_python_example_runs(tmp_path, capsys):
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 2 and printed[0].startswith("'") and printed[0].split()[-2] in ("stop", "length")
     assert printed[1].endswith("[0, 1, 2]")  # updated_decoder_layers: every layer of B
+
+
+@pytest.mark.parametrize("page, notes", [("README.md", False), ("docs/api.md", True)])
+def test_config_field_tables_are_the_code_table(page, notes):
+    """The README's and docs/api.md's config.json tables are layerwise.config_fields.render_markdown's output."""
+    from layerwise.config_fields import render_markdown
+
+    text = (REPO / page).read_text()
+    block = re.search(r"<!-- config-fields:begin[^>]*-->\n(.*?)<!-- config-fields:end -->", text, re.DOTALL)
+    assert block is not None, f"{page} has no config-fields block"
+    assert block.group(1) == render_markdown(notes), f"{page}: paste render_markdown(notes={notes}) again"
