@@ -158,6 +158,7 @@ def load_model_with_report(
     tp_group=None,
     global_scales: bool = False,
     mmap: bool = True,
+    expert_parallel: bool = False,
 ) -> tuple[nn.Module, LoadReport]:
     """Like :func:`load_model`, and also returns the :class:`LoadReport`.
 
@@ -168,7 +169,7 @@ def load_model_with_report(
     """
     start = time.perf_counter()
     device = resolve_device(device)
-    tp = TPContext.of(tp_group)
+    tp = TPContext.of(tp_group, expert_parallel)
     ckpt = Checkpoint(path, mmap=mmap)
     config = ModelConfig.from_dict(ckpt.config, ckpt.config_path)
     arch, model_cls = get_model_class(config, ckpt.config_path)
@@ -240,6 +241,7 @@ def load_model(
     tp_group=None,
     global_scales: bool = False,
     mmap: bool = True,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """Load a Hugging Face checkpoint layer by layer, quantizing decoder Linear weights on the fly.
 
@@ -270,6 +272,11 @@ def load_model(
         global_scales: with tp_group and per-tensor FP8, reduce each weight's amax (max) over the group
             so that every rank's FP8 shard equals the matching slice of the unsharded model byte for byte;
             False (vLLM's behaviour): each rank's scale comes from its own shard.
+        expert_parallel: with tp_group, how mixture-of-experts layers are sharded (vLLM's two layouts,
+            ``layerwise/layers/fused_moe.py``): False, every rank holds every expert with its intermediate
+            dimension split (w13_weight [E, 2I/N, H], w2_weight [E, H, I/N]); True, rank r holds experts
+            [r*E/N, (r+1)*E/N) whole and reads no other expert. Either way the router is replicated and each MoE
+            layer's output is all-reduced once. Dense layers are sharded as always.
         mmap: read the shards through a memory map (no copy: the fastest load). A shard truncated while the
             load uses its pages still kills the process with SIGBUS; False reads with ``os.preadv`` into
             host buffers (about 20% slower on a 2-core CPU), so a shard that changes during the load is a
@@ -291,8 +298,9 @@ def load_model(
         DeviceError: ``device`` is not cpu or a CUDA GPU that this torch build sees (a CPU-only torch asked for
             cuda names its version); raised before the checkpoint is opened (see :func:`resolve_device`).
         ValueError: an unknown scheme (the message suggests the nearest one), dtype, kernel or fp8_mode.
-        TensorParallelError: the model's sizes (attention heads, kv heads, intermediate size, FP8 blocks)
-            do not split over tp_group; raised before any weight is read.
+        TensorParallelError: the model's sizes (attention heads, kv heads, intermediate size, FP8 blocks; an MoE
+            layer's experts under expert parallelism, its moe intermediate size otherwise) do not split over
+            tp_group; raised before any weight is read.
         MissingDependencyError: a torchao scheme without torchao.
     """
     return load_model_with_report(
@@ -306,6 +314,7 @@ def load_model(
         tp_group=tp_group,
         global_scales=global_scales,
         mmap=mmap,
+        expert_parallel=expert_parallel,
     )[0]
 
 

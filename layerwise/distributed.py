@@ -28,14 +28,18 @@ class TPContext:
         group: a torch.distributed ProcessGroup, or None (no tensor parallelism).
         rank: this process's rank within ``group`` (0 without one).
         size: the number of ranks in ``group`` (1 without one).
+        expert_parallel: how mixture-of-experts layers use the group (vLLM's ``enable_expert_parallel``): False,
+            every rank holds every expert with its intermediate dimension sharded (tensor parallelism over the
+            experts); True, rank r holds experts [r*E/N, (r+1)*E/N) whole. Dense layers ignore it.
     """
 
     group: Any = None
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     @classmethod
-    def of(cls, group: Any) -> TPContext:
+    def of(cls, group: Any, expert_parallel: bool = False) -> TPContext:
         """The context of ``group`` (None: ``NO_TP``). Rank and size are read from the group only.
 
         Raises:
@@ -45,7 +49,7 @@ class TPContext:
             return NO_TP
         if not (dist.is_available() and dist.is_initialized()):
             raise TensorParallelError("tp_group given, but torch.distributed is not initialized")
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), bool(expert_parallel))
 
     def divide(self, total: int, what: str) -> int:
         """``total // size``, for a size that must split evenly across the ranks.

@@ -51,9 +51,11 @@ def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_i
     # looked up on the class: nn.Module's __getattr__ fallback raises (and catches) AttributeError for every
     # module without it, at every level of every key
     if getattr(type(module), "checkpoint_param", None) is not None:
-        # the module resolves the rest of the key itself (FusedMoE: expert, projection)
-        param_name, shard_id = module.checkpoint_param(name)
-        _load_param(module, param_name, tensor, key, shard_id)
+        # the module resolves the rest of the key itself (FusedMoE: expert, projection); None: another rank's
+        # (expert parallelism), skipped unread
+        resolved = module.checkpoint_param(name)
+        if resolved is not None:
+            _load_param(module, resolved[0], tensor, key, resolved[1])
         return
     head, _, rest = name.partition(".")
     if not rest:

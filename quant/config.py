@@ -21,8 +21,8 @@ from layerwise.quant.moe_base import FusedMoEMethodBase, UnquantizedFusedMoEMeth
 
 #: (argument after "name:", or None; kernel; fp8_mode; amax_reduce or None) -> a new method for one Linear layer
 SchemeFactory = Callable[[str | None, str, str, Callable | None], QuantMethod]
-#: (kernel, fp8_mode) -> a new method for one fused-MoE layer's [E, N, K] experts
-MoEFactory = Callable[[str, str], FusedMoEMethodBase]
+#: (kernel, fp8_mode, amax_reduce or None) -> a new method for one fused-MoE layer's [E, N, K] experts
+MoEFactory = Callable[[str, str, Callable | None], FusedMoEMethodBase]
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def register_scheme(
         aliases: other accepted names ("fp8" for "fp8-per-tensor").
         takes_argument: the scheme is written "name:ARG" (torchao:<ConfigClass>).
         help: one line for ``layerwise load --help`` and error messages.
-        moe: ``moe(kernel, fp8_mode)`` -> the method of a fused-MoE layer's experts; None: the scheme cannot
-            quantize fused experts (models with MoE layers refuse it).
+        moe: ``moe(kernel, fp8_mode, amax_reduce)`` -> the method of a fused-MoE layer's experts; None: the scheme
+            cannot quantize fused experts (models with MoE layers refuse it).
     Raises:
         ValueError: the name or an alias is taken.
     """
@@ -129,7 +129,7 @@ def parse_scheme(text: str | None) -> tuple[str, str | None]:
     "fp8-per-tensor",
     aliases=("fp8",),
     help="float8_e4m3fn weights, one float32 scale per tensor",
-    moe=lambda kernel, fp8_mode: Fp8MoEMethod("tensor", kernel, fp8_mode),
+    moe=lambda kernel, fp8_mode, amax_reduce: Fp8MoEMethod("tensor", kernel, fp8_mode, amax_reduce),
 )
 def _fp8_per_tensor(argument, kernel, fp8_mode, amax_reduce):
     return Fp8LinearMethod("tensor", kernel, fp8_mode, amax_reduce)
@@ -138,7 +138,7 @@ def _fp8_per_tensor(argument, kernel, fp8_mode, amax_reduce):
 @register_scheme(
     "fp8-per-channel",
     help="float8_e4m3fn weights, one scale per output row",
-    moe=lambda kernel, fp8_mode: Fp8MoEMethod("channel", kernel, fp8_mode),
+    moe=lambda kernel, fp8_mode, amax_reduce: Fp8MoEMethod("channel", kernel, fp8_mode, amax_reduce),
 )
 def _fp8_per_channel(argument, kernel, fp8_mode, amax_reduce):
     return Fp8LinearMethod("channel", kernel, fp8_mode, amax_reduce)
@@ -147,7 +147,7 @@ def _fp8_per_channel(argument, kernel, fp8_mode, amax_reduce):
 @register_scheme(
     "fp8-per-block",
     help="float8_e4m3fn weights, one scale per 128 x 128 block",
-    moe=lambda kernel, fp8_mode: Fp8MoEMethod("block", kernel, fp8_mode),
+    moe=lambda kernel, fp8_mode, amax_reduce: Fp8MoEMethod("block", kernel, fp8_mode, amax_reduce),
 )
 def _fp8_per_block(argument, kernel, fp8_mode, amax_reduce):
     return Fp8LinearMethod("block", kernel, fp8_mode, amax_reduce)
@@ -161,7 +161,9 @@ def _torchao(argument, kernel, fp8_mode, amax_reduce):
 
 
 @register_scheme(
-    "none", help="the checkpoint dtype (or dtype=), F.linear", moe=lambda kernel, fp8_mode: UnquantizedFusedMoEMethod()
+    "none",
+    help="the checkpoint dtype (or dtype=), F.linear",
+    moe=lambda kernel, fp8_mode, amax_reduce: UnquantizedFusedMoEMethod(),
 )
 def _none(argument, kernel, fp8_mode, amax_reduce):
     return UnquantizedLinearMethod()
@@ -241,4 +243,4 @@ class QuantConfig:
                 f"quantization {self.scheme!r} is not supported for mixture-of-experts layers ({prefix}: torchao "
                 f"configs quantize nn.Linear weights, not fused [E, N, K] experts); use one of {supported}"
             )
-        return moe(self.kernel, self.fp8_mode)
+        return moe(self.kernel, self.fp8_mode, self.amax_reduce)

@@ -39,15 +39,18 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from layerwise.errors import TensorParallelError
 from layerwise.kernels import (
     BLOCK_SIZE,
     FP8_DTYPE,
+    fp8_amax,
     fp8_quantize,
     fp8_quantize_pieces,
     fp8_quantize_pieces_batch,
     fp8_scale,
     fp8_scale_pieces_batch,
     pieces_fit,
+    scale_from_amax,
     scale_shape,
 )
 from layerwise.quant.fp8 import SCALE_NAMES, Fp8LinearMethod
@@ -94,11 +97,16 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         granularity: "tensor", "channel" or "block".
         kernel: "torch" or "triton" (quantize at load time, dequantize for W8A16).
         fp8_mode: "auto", "w8a8" or "w8a16", as :class:`layerwise.quant.fp8.Fp8LinearMethod`.
+        amax_reduce: under tensor parallelism over the experts' intermediate dimension (``configure_tp_shard``), the
+            in-place max-reduction of a float32 amax over the group (``load_model(..., global_scales=True)``): a
+            scale whose amax spans every rank's slice (per tensor: an expert's gate+up, its down; per channel: a
+            down row) is then the unsharded expert's, so every rank's FP8 slice equals the matching slice of the
+            TP=1 model byte for byte. None: each rank's own slice (vLLM's behaviour).
     Raises:
         ValueError: unknown granularity or fp8_mode.
     """
 
-    def __init__(self, granularity: str = "tensor", kernel: str = "torch", fp8_mode: str = "auto"):
+    def __init__(self, granularity: str = "tensor", kernel: str = "torch", fp8_mode: str = "auto", amax_reduce=None):
         # the dense method runs each expert's matmul (its W8A8 / W8A16 choice is cached per param: one shape each);
         # it checks granularity and fp8_mode
         self._dense = {p: Fp8LinearMethod(granularity, kernel, fp8_mode) for p in EXPERT_PARAMS}
@@ -106,6 +114,25 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         self.name = f"fp8-per-{granularity}"
         dense_scale = SCALE_NAMES[granularity]  # "weight_scale" / "weight_scale_inv"
         self.scale_names = {p: p.replace("weight", dense_scale) for p in EXPERT_PARAMS}
+        self.amax_reduce = amax_reduce
+        self.reduced: tuple[str, ...] = ()  # the parameters whose scales are reduced over the group
+
+    def configure_tp_shard(self, layer_name: str, local_intermediate_size: int) -> None:
+        """Per-block scales: the slice must be whole 128-blocks. With ``amax_reduce``, the scales that span the
+        sharded dimension are reduced: per tensor both w13 and w2, per channel w2 (its rows span every rank's
+        columns; a w13 row is whole on its rank).
+
+        Raises:
+            TensorParallelError: per-block scales and a slice that is not a multiple of 128 (names the layer).
+        """
+        if self.granularity == "block" and local_intermediate_size % BLOCK_SIZE[0]:
+            raise TensorParallelError(
+                f"{layer_name}: per-rank moe intermediate size {local_intermediate_size} is not a multiple of the "
+                f"{BLOCK_SIZE[0]}-element FP8 block, so a tensor-parallel slice would split a block; use "
+                f"fp8-per-tensor or fp8-per-channel, expert parallelism, or a smaller tensor-parallel size"
+            )
+        if self.amax_reduce is not None:
+            self.reduced = {"tensor": EXPERT_PARAMS, "channel": ("w2_weight",), "block": ()}[self.granularity]
 
     def create_kernel_tensors(self, layer: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
         out = {}
@@ -117,8 +144,9 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         return out
 
     def accepts_weight_pieces(self, shape: torch.Size, spans: list[tuple[int, int]]) -> bool:
-        """An expert's gate and up loads (or its down load) are quantized where they are, when they fit."""
-        return pieces_fit(shape, spans, self.granularity)
+        """An expert's gate and up loads (or its down load) are quantized where they are, when they fit; not when a
+        scale is reduced over the group (its amax is taken whole, then reduced)."""
+        return not self.reduced and pieces_fit(shape, spans, self.granularity)
 
     def process_expert(self, layer, param_name, expert_id, weight, kernel_tensors, weight_pieces=None) -> None:
         """Quantize ``weight`` [N, K] into ``kernel_tensors[param_name][expert_id]`` and its scale slice.
@@ -134,6 +162,14 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         g, (n, k) = self.granularity, q.shape
         if weight_pieces is not None:  # from the loaded tensors themselves; raises before any write
             scale = fp8_quantize_pieces(weight_pieces, q.shape, g, q, self.kernel)
+        elif param_name in self.reduced:  # every rank reaches this expert in the same order (the same stream)
+            amax = fp8_amax(weight, g, self.kernel)
+            amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))  # NaN -> Inf on all
+            scale = scale_from_amax(self.amax_reduce(amax))  # the max over ranks; Inf from any rank raises on all
+            if self.kernel == "torch":
+                fp8_quantize(weight, scale, within_range=True, out=q)
+            else:
+                q.copy_(fp8_quantize(weight, scale, self.kernel, within_range=True))
         else:
             scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
             if self.kernel == "torch":

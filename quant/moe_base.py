@@ -86,6 +86,15 @@ class FusedMoEMethodBase:
         """Uninitialized kernel-format parameters of the whole layer on ``device``, by name."""
         raise NotImplementedError
 
+    def configure_tp_shard(self, layer_name: str, local_intermediate_size: int) -> None:
+        """Called before ``create_weights`` of a layer whose experts' intermediate dimension is sharded over more than
+        one rank (each rank: ``local_intermediate_size`` gate, up rows and down columns): remember it, and raise if
+        this method cannot quantize the slices like the matching part of the unsharded experts.
+
+        Raises:
+            TensorParallelError: the slice does not fit the method's layout (default: never).
+        """
+
     def accepts_weight_pieces(self, shape: torch.Size, spans: list[tuple[int, int]]) -> bool:
         """Whether :meth:`process_expert` can take an expert's weight of ``shape`` as pieces at flat element
         ``spans`` (its verbatim loads; see ``QuantMethod.accepts_weight_pieces``). Default: no."""
@@ -151,7 +160,8 @@ class FusedMoEMethodBase:
     def apply(
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H] -> [T, H] in x.dtype.
+        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [T, H] -> [T, H] in x.dtype. An id equal to
+        ``layer.num_experts`` adds nothing (a choice of an expert another rank holds, under expert parallelism).
 
         Expert e: down(silu(gate(x)) * up(x)); the weighted result is cast to x.dtype and accumulated
         into the output expert by expert, in increasing expert id, as transformers does. Eager: only the
@@ -162,7 +172,8 @@ class FusedMoEMethodBase:
         if _CAPTURE_PATH.get() or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return self.apply_all_experts(layer, x, topk_weights, topk_ids)
         out = torch.zeros_like(x)
-        mask = F.one_hot(topk_ids, layer.num_experts).permute(2, 1, 0)  # [E, k, T]
+        # [E, k, T]; an id equal to num_experts (another rank's expert) falls in the dropped last class
+        mask = F.one_hot(topk_ids, layer.num_experts + 1)[..., : layer.num_experts].permute(2, 1, 0)
         for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
             pos, tokens = torch.where(mask[e])
             gate, up = self.expert_linear(layer, "w13_weight", e, x[tokens]).chunk(2, dim=-1)
@@ -196,9 +207,10 @@ class FusedMoEMethodBase:
         """
         t, num_experts = x.shape[0], layer.num_experts
         # dense routing, [T, E]: the token's weight where it chose the expert, and the choice itself (the mask is
-        # the choice, not weight != 0, so a chosen expert whose weight underflowed to 0 adds y * 0 as in eager)
-        dense_weights = topk_weights.new_zeros(t, num_experts).scatter_(1, topk_ids, topk_weights)
-        chose = torch.zeros(t, num_experts, dtype=torch.bool, device=x.device).scatter_(1, topk_ids, True)
+        # the choice, not weight != 0, so a chosen expert whose weight underflowed to 0 adds y * 0 as in eager); an
+        # id equal to num_experts (another rank's expert) lands in a last column that is never read
+        dense_weights = topk_weights.new_zeros(t, num_experts + 1).scatter_(1, topk_ids, topk_weights)
+        chose = torch.zeros(t, num_experts + 1, dtype=torch.bool, device=x.device).scatter_(1, topk_ids, True)
         out = torch.zeros_like(x)
         for e in range(num_experts):
             gate, up = self.expert_linear(layer, "w13_weight", e, x).chunk(2, dim=-1)  # [T, I] each

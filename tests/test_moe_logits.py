@@ -148,21 +148,29 @@ def test_scheme_without_moe_method_is_a_clear_error(moe_checkpoint):
     assert isinstance(method, Fp8MoEMethod) and (method.granularity, method.fp8_mode) == ("block", "w8a16")
 
 
-def test_tensor_parallel_moe_is_refused_before_reading(moe_checkpoint):
+@pytest.mark.parametrize(
+    "experts, intermediate, expert_parallel, named",
+    [(5, 32, True, "num_experts=5"), (8, 33, False, "intermediate size=33")],
+)
+def test_moe_layers_that_do_not_split_are_refused_while_building(
+    moe_checkpoint, experts, intermediate, expert_parallel, named
+):
+    """Expert parallelism needs E divisible by the group size, tensor parallelism over the experts I: refused while the
+    layer is built on the meta device, before a weight is read (tests/tp/test_tp_moe.py runs the two layouts)."""
     from layerwise.config import ModelConfig
     from layerwise.distributed import TPContext
     from layerwise.layers.fused_moe import QWEN_EXPERT_SHARDS, FusedMoE
 
-    with torch.device("meta"), pytest.raises(TensorParallelError, match="cannot be sharded"):
+    with torch.device("meta"), pytest.raises(TensorParallelError, match=named):
         FusedMoE(
-            8,
+            experts,
             64,
-            32,
+            intermediate,
             quant_method=UnquantizedFusedMoEMethod(),
             params_dtype=torch.bfloat16,
             expert_shards=QWEN_EXPERT_SHARDS,
             prefix="model.layers.1.mlp.experts",
-            tp=TPContext(None, 0, 2),
+            tp=TPContext(None, 0, 2, expert_parallel),
         )
     assert ModelConfig.from_dict({**_config(moe_checkpoint[1]), "mlp_only_layers": [1]}).is_moe_layer(1) is False
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from layerwise.distributed import NO_TP, TPContext
-from layerwise.errors import TensorParallelError, UnexpectedWeightError, WeightShapeError
+from layerwise.errors import UnexpectedWeightError, WeightShapeError
 from layerwise.layers.linear import ColumnParallelLinear
 from layerwise.quant.base import UnquantizedLinearMethod
 from layerwise.quant.moe_base import FusedMoEMethodBase
@@ -67,16 +67,29 @@ def select_experts(
 class FusedMoE(nn.Module):
     """E experts, each down(silu(gate(x)) * up(x)), with weights fused as w13_weight / w2_weight.
 
+    Under a tensor-parallel group of N ranks (vLLM's two layouts, ``tp.expert_parallel``), rank r holds:
+
+    - tensor parallelism over the experts (the default): every expert, its intermediate dimension sharded as a
+      MergedColumnParallelLinear (gate rows [r*I/N, (r+1)*I/N) and the same up rows) and a RowParallelLinear
+      (down columns): w13_weight [E, 2I/N, H], w2_weight [E, H, I/N]; each rank reads only those rows / columns;
+    - expert parallelism: experts [r*E/N, (r+1)*E/N) whole, w13_weight [E/N, 2I, H], w2_weight [E/N, H, I]; the
+      other experts' checkpoint tensors are skipped unread (:meth:`checkpoint_param` returns None for them).
+
+    Either way the router runs replicated, each rank adds its experts' (or slices') contributions, and the sum is
+    all-reduced once per layer. ``num_experts`` and ``intermediate_size`` are this rank's (what the quantization
+    method creates and processes); ``global_num_experts`` and ``full_intermediate_size`` the checkpoint's.
+
     Args:
-        num_experts: E. hidden_size: H. intermediate_size: I (per expert).
+        num_experts: E. hidden_size: H. intermediate_size: I (per expert), all unsharded.
         quant_method: creates (on meta, in ``params_dtype``), processes (one expert at a time) and
             applies the expert weights.
         expert_shards: checkpoint projection name -> shard_id ("w1", "w3", "w2"), e.g.
             :data:`QWEN_EXPERT_SHARDS` or :data:`MIXTRAL_EXPERT_SHARDS`.
         prefix: the layer's name in the model, for messages.
-        tp: must be a group of one: expert and tensor parallelism are not implemented.
+        tp: the tensor-parallel group and layout (default: none).
     Raises:
-        TensorParallelError: ``tp`` has more than one rank.
+        TensorParallelError: E (expert parallelism) or I (tensor parallelism) is not divisible by the group size, or
+            the method's FP8 blocks would be split (raised while building, before any weight is read).
         ValueError: ``expert_shards`` does not map onto exactly w1, w3 and w2.
     """
 
@@ -93,13 +106,20 @@ class FusedMoE(nn.Module):
         tp: TPContext = NO_TP,
     ):
         super().__init__()
-        if tp.size > 1:
-            raise TensorParallelError(
-                f"{prefix or 'FusedMoE'}: mixture-of-experts models cannot be sharded over a tensor-parallel "
-                f"group yet (size {tp.size}); load them with tp_group=None"
-            )
         if sorted(expert_shards.values()) != ["w1", "w2", "w3"]:
             raise ValueError(f"expert_shards must map to w1, w3 and w2, got {dict(expert_shards)}")
+        name = prefix or "FusedMoE"
+        self.tp = tp
+        self.global_num_experts, self.full_intermediate_size = num_experts, intermediate_size
+        self.expert_start = 0
+        if tp.size > 1 and tp.expert_parallel:
+            num_experts = tp.divide(num_experts, f"{name}: expert parallelism: num_experts")
+            self.expert_start = tp.rank * num_experts
+        elif tp.size > 1:
+            intermediate_size = tp.divide(
+                intermediate_size, f"{name}: tensor parallelism over the experts: moe intermediate size"
+            )
+            quant_method.configure_tp_shard(name, intermediate_size)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.expert_shards = MappingProxyType(dict(expert_shards))
         self.prefix = prefix
@@ -108,8 +128,9 @@ class FusedMoE(nn.Module):
 
     # --- checkpoint keys -> (parameter, shard) ------------------------------------------------------
 
-    def checkpoint_param(self, name: str) -> tuple[str, tuple[int, str]]:
-        """(parameter name, shard_id) of the checkpoint tensor ``<prefix>.<name>``.
+    def checkpoint_param(self, name: str) -> tuple[str, tuple[int, str]] | None:
+        """(parameter name, shard_id) of the checkpoint tensor ``<prefix>.<name>``, with this rank's expert index;
+        None for an expert another rank holds (expert parallelism): the router skips it without reading it.
 
         ``name`` is "<expert>.<projection>.weight", e.g. "3.up_proj.weight" -> ("w13_weight", (3, "w3")).
         Raises:
@@ -121,25 +142,30 @@ class FusedMoE(nn.Module):
                 f"{self.prefix}: expected '<expert>.<{'|'.join(self.expert_shards)}>.weight', got {name!r}"
             )
         expert_id, projection = int(parts[0]), parts[1]
-        if expert_id >= self.num_experts:
+        if expert_id >= self.global_num_experts:
             raise UnexpectedWeightError(
-                f"{self.prefix}: expert {expert_id} does not exist (the layer has {self.num_experts} experts)"
+                f"{self.prefix}: expert {expert_id} does not exist (the layer has {self.global_num_experts} experts)"
             )
         shard = self.expert_shards.get(projection)
         if shard is None:
             raise UnexpectedWeightError(
                 f"{self.prefix}: unknown expert projection {projection!r}; expected one of {list(self.expert_shards)}"
             )
-        return ("w2_weight" if shard == "w2" else "w13_weight"), (expert_id, shard)
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.num_experts:
+            return None  # another rank's expert
+        return ("w2_weight" if shard == "w2" else "w13_weight"), (local, shard)
 
     def weight_loader(self, param: torch.Tensor, loaded_weight, shard_id: tuple[int, str]) -> None:
-        """Copy one expert's projection into ``param[expert_id]``: w1 -> rows [0, I) of w13, w3 -> rows
-        [I, 2I), w2 -> the whole [H, I] slice of w2. Writes only ``param[expert_id]`` (the session's
-        per-expert units rely on it, and check it).
+        """Copy one expert's projection into ``param[expert_id]`` (this rank's expert index): w1 -> rows [0, I) of
+        w13, w3 -> rows [I, 2I), w2 -> the whole [H, I] slice of w2 (I: this rank's intermediate size; under
+        tensor parallelism over the experts, rows / columns [r*I, (r+1)*I) of the checkpoint tensor, read alone).
+        Writes only ``param[expert_id]`` (the session's per-expert units rely on it, and check it).
 
         Args:
             param: w13_weight [E, 2I, H] or w2_weight [E, H, I] (or a tensor indexing like them).
-            loaded_weight: [I, H] for w1 / w3, [H, I] for w2; a tensor or a lazy checkpoint slice.
+            loaded_weight: the unsharded [I_full, H] for w1 / w3, [H, I_full] for w2; a tensor or a lazy checkpoint
+                slice.
             shard_id: (expert_id, "w1" | "w3" | "w2").
         Raises:
             WeightShapeError: the tensor's shape is not the projection's, or an integer / bool tensor for a float
@@ -149,18 +175,23 @@ class FusedMoE(nn.Module):
         check_loaded_dtype(loaded_weight, param.dtype)
         expert_id, shard = shard_id
         target = param.data[expert_id]
+        i, full = self.intermediate_size, self.full_intermediate_size
         if shard in ("w1", "w3"):
-            if param.shape[1:] != (2 * self.intermediate_size, self.hidden_size):
+            if param.shape[1:] != (2 * i, self.hidden_size):
                 raise ValueError(f"{self.prefix}: shard {shard} belongs to w13_weight")
-            i = self.intermediate_size
             target = target.narrow(0, 0 if shard == "w1" else i, i)
-        elif shard != "w2" or param.shape[1:] != (self.hidden_size, self.intermediate_size):
+            expected, dim = (full, self.hidden_size), 0
+        elif shard != "w2" or param.shape[1:] != (self.hidden_size, i):
             raise ValueError(f"{self.prefix}: shard {shard!r} does not fit a parameter of shape {tuple(param.shape)}")
-        if tuple(loaded_weight.shape) != tuple(target.shape):
+        else:
+            expected, dim = (self.hidden_size, full), 1
+        if tuple(loaded_weight.shape) != expected:
             raise WeightShapeError(
-                f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {tuple(target.shape)} "
-                f"(expert {expert_id}, {shard})"
+                f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {expected} "
+                f"(expert {expert_id + self.expert_start}, {shard})"
             )
+        if i != full:  # this rank's rows (gate, up) or columns (down): only they are read
+            loaded_weight = loaded_weight.narrow(dim, self.tp.rank * i, i)
         copy_loaded(loaded_weight, target)  # without waiting where a session allows it (Limitations 12)
 
     # --- per-expert processing units (layerwise/reload/units.py) -------------------------------------
@@ -183,6 +214,7 @@ class FusedMoE(nn.Module):
         """(checkpoint name relative to the layer, first element, end element) of each checkpoint tensor
         that fills ``unit``, as flat element ranges of the unit: "5.gate_proj.weight", 0, I*H; ..."""
         param_name, e = unit
+        e += self.expert_start  # the checkpoint's expert id
         names = {shard: proj for proj, shard in self.expert_shards.items()}
         ih = self.intermediate_size * self.hidden_size
         if param_name == "w2_weight":
@@ -190,14 +222,24 @@ class FusedMoE(nn.Module):
         return [(f"{e}.{names['w1']}.weight", 0, ih), (f"{e}.{names['w3']}.weight", ih, 2 * ih)]
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H], topk_weights [T, k], topk_ids int64 [T, k] -> [T, H] in hidden.dtype:
-        sum over the k chosen experts of weight * expert(hidden)."""
-        return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        """hidden [T, H], topk_weights [T, k], topk_ids int64 [T, k] (the checkpoint's expert ids) -> [T, H] in
+        hidden.dtype: sum over the k chosen experts of weight * expert(hidden); under a tensor-parallel group, each
+        rank's share (its experts, or its intermediate slice of every expert) all-reduced (sum)."""
+        if self.tp.size == 1:
+            return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        if self.tp.expert_parallel:  # another rank's expert: the id num_experts, which adds nothing here
+            local = topk_ids - self.expert_start
+            topk_ids = torch.where((local >= 0) & (local < self.num_experts), local, self.num_experts)
+        return self.tp.all_reduce(self.quant_method.apply(self, hidden, topk_weights, topk_ids))
 
     def extra_repr(self) -> str:
+        tp = ""
+        if self.tp.size > 1:
+            layout = "experts" if self.tp.expert_parallel else "intermediate"
+            tp = f", tp={self.tp.rank}/{self.tp.size} ({layout} sharded)"
         return (
             f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-            f"method={self.quant_method.name}"
+            f"method={self.quant_method.name}{tp}"
         )
 
 

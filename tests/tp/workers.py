@@ -20,7 +20,9 @@ def _tensors(model) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
 
 
-def load_and_forward(group, path, ids, quantization, dtype, global_scales=False, track_memory=False, device="cpu"):
+def load_and_forward(
+    group, path, ids, quantization, dtype, global_scales=False, track_memory=False, device="cpu", expert_parallel=False
+):
     """Load this rank's shard on ``device`` ("cuda": this rank's GPU); return its logits, kernel tensors and
     LoadReport (as a dict), on the CPU."""
     if device == "cuda":
@@ -33,6 +35,7 @@ def load_and_forward(group, path, ids, quantization, dtype, global_scales=False,
         tp_group=group,
         global_scales=global_scales,
         track_memory=track_memory,
+        expert_parallel=expert_parallel,
     )
     assert model.tp_group is group
     with torch.no_grad():
@@ -51,35 +54,40 @@ def _infos(model):
             yield prefix, info
 
 
-def reload_keeps_pointers(group, path_a, path_b, quantization):
+def reload_keeps_pointers(group, path_a, path_b, quantization, expert_parallel=False):
     """Load A, reload B in place; return whether every data_ptr was kept and whether the result equals a
     fresh load of B bit for bit."""
-    model = layerwise.load_model(path_a, quantization=quantization, tp_group=group, global_scales=True)
+    kw = dict(quantization=quantization, tp_group=group, global_scales=True, expert_parallel=expert_parallel)
+    model = layerwise.load_model(path_a, **kw)
     ptrs = {n: t.data_ptr() for n, t in model.named_parameters()}
     report = layerwise.reload_weights(model, path_b)
-    fresh = layerwise.load_model(path_b, quantization=quantization, tp_group=group, global_scales=True)
+    fresh = layerwise.load_model(path_b, **kw)
     ours, theirs = _tensors(model), _tensors(fresh)
     same = ours.keys() == theirs.keys() and all(torch.equal(_bytes(ours[n]), _bytes(theirs[n])) for n in ours)
     kept = ptrs == {n: t.data_ptr() for n, t in model.named_parameters()}
     return {"ptrs_kept": kept, "equal": same, "updated": len(report.updated_modules)}
 
 
-def engine_join_transfer(group, path, init_info):
+def engine_join_transfer(group, path, init_info, expert_parallel=False):
     """Wrap this rank's shard of ``path`` in an Engine and join the trainer's transfer group."""
-    model = layerwise.load_model(path, quantization="fp8", tp_group=group, global_scales=True)
+    model = layerwise.load_model(
+        path, quantization="fp8", tp_group=group, global_scales=True, expert_parallel=expert_parallel
+    )
     engine = Engine(model, max_batch_size=1, max_seq_len=32)
     engine.init_weight_transfer_engine("nccl", init_info)
     STATE["engine"] = engine
     return engine.transfer_engine.worker_rank
 
 
-def engine_update_and_compare(group, update_info, expected_path, prompt):
+def engine_update_and_compare(group, update_info, expected_path, prompt, expert_parallel=False):
     """Receive one update; return whether it equals a fresh TP load of ``expected_path`` (data_ptrs kept),
     and the engine's greedy tokens."""
     engine = STATE["engine"]
     ptrs = {n: t.data_ptr() for n, t in engine.model.named_parameters()}
     engine.update_weights({"update_info": update_info})
-    fresh = layerwise.load_model(expected_path, quantization="fp8", tp_group=group, global_scales=True)
+    fresh = layerwise.load_model(
+        expected_path, quantization="fp8", tp_group=group, global_scales=True, expert_parallel=expert_parallel
+    )
     ours, theirs = _tensors(engine.model), _tensors(fresh)
     same = ours.keys() == theirs.keys() and all(torch.equal(_bytes(ours[n]), _bytes(theirs[n])) for n in ours)
     tokens = greedy(engine, [prompt], 4)
@@ -88,10 +96,10 @@ def engine_update_and_compare(group, update_info, expected_path, prompt):
     return {"equal": same, "ptrs_kept": kept, "tokens": tokens}
 
 
-def load_error(group, path):
+def load_error(group, path, quantization="fp8", expert_parallel=False):
     """The error a load raises (type name, message), or None."""
     try:
-        layerwise.load_model(path, quantization="fp8", tp_group=group)
+        layerwise.load_model(path, quantization=quantization, tp_group=group, expert_parallel=expert_parallel)
     except Exception as e:  # noqa: BLE001 -- returned to the test
         return type(e).__name__, str(e)
     return None
@@ -133,3 +141,23 @@ def load_fp8_checkpoint(group, path, ids):
     with torch.no_grad():
         logits = model(ids)
     return {"logits": logits, "tensors": _tensors(model)}
+
+
+def partial_expert_reload(group, path_a, stream, expert_parallel):
+    """Load A (FP8 per tensor, global scales), reload ``stream`` (a few experts' tensors); per local expert of every
+    MoE layer, whether its bytes changed, keyed (layer prefix, checkpoint expert id)."""
+    model = layerwise.load_model(
+        path_a, quantization="fp8", tp_group=group, global_scales=True, expert_parallel=expert_parallel
+    )
+    before = _tensors(model)
+    layerwise.reload_weights(model, stream)
+    changed = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "expert_start"):
+            for e in range(module.num_experts):
+                now = [getattr(module, p)[e] for p in ("w13_weight", "w2_weight")]
+                was = [before[f"{prefix}.{p}"][e] for p in ("w13_weight", "w2_weight")]
+                changed[(prefix, module.expert_start + e)] = any(
+                    not torch.equal(_bytes(a), _bytes(b)) for a, b in zip(was, now, strict=True)
+                )
+    return changed
