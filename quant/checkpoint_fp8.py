@@ -157,9 +157,27 @@ class Fp8CheckpointFormat:
             )
         if strategy == "block":
             _check_block(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure", source)
+        if weights.get("symmetric", True) is not True:
+            raise ConfigError(
+                f"{where}.config_groups.{name}.weights.symmetric={weights.get('symmetric')!r}: FP8 weights with zero "
+                f"points are not read; symmetric FP8 only",
+                file=source,
+            )
         activations = group.get("input_activations")
         if activations is not None and not activations.get("dynamic", False):
             _refuse_static("static", f"config_groups.{name}.input_activations.dynamic=false", source)
+        for field, what in (
+            ("output_activations", f"config_groups.{name}.output_activations"),
+            ("kv_cache_scheme", "kv_cache_scheme"),
+        ):
+            value = (group if field == "output_activations" else qc).get(field)
+            if value is not None:
+                raise ConfigError(
+                    f"{where}.{what} is set: the checkpoint carries static {field.replace('_', ' ')} scales "
+                    f"(k_scale / v_scale, output_scale) that layerwise does not read; use kv_cache_dtype='fp8' for an "
+                    f"FP8 KV cache calibrated at load time, and a checkpoint without them",
+                    file=source,
+                )
         return cls(strategy, "weight_scale", tuple(qc.get("ignore") or ()), "compressed-tensors")
 
     def is_ignored(self, prefix: str) -> bool:
@@ -170,6 +188,8 @@ class Fp8CheckpointFormat:
             ConfigError: some of a fused layer's modules are listed and others are not (the fused weight would
                 be half FP8, half BF16).
         """
+        if self._listed(prefix):  # the layer's own name (Phi-3 stores qkv_proj, gate_up_proj fused)
+            return True
         parent, _, name = prefix.rpartition(".")
         names = [f"{parent}.{shard}" for shard in FUSED_SHARDS.get(name, ())] or [prefix]
         listed = [n for n in names if self._listed(n)]
@@ -182,11 +202,14 @@ class Fp8CheckpointFormat:
         return bool(listed)
 
     def _listed(self, name: str) -> bool:
+        """Whether module ``name`` is listed: a "re:" pattern matching it, or an entry that is a dotted run of its
+        components (the whole name, a suffix such as "lm_head" or "mlp.down_proj", or a prefix such as
+        "model.layers.0" covering everything under it, as transformers' FP8 loader reads the list)."""
         for entry in self.ignored:
             if entry.startswith("re:"):
                 if re.match(entry[3:], name):
                     return True
-            elif name == entry or name.endswith("." + entry):
+            elif f".{entry}." in f".{name}.":
                 return True
         return False
 
@@ -230,11 +253,12 @@ class Fp8CheckpointLinearMethod(QuantMethod):
         target: the method of the scheme the user asked for (Fp8LinearMethod, UnquantizedLinearMethod, torchao).
     """
 
-    replaces_weight = True  # the kernel weight is a new tensor (a copy of the file's bytes at the least)
-
     def __init__(self, fmt: Fp8CheckpointFormat, target: QuantMethod):
         self.fmt, self.target = fmt, target
         self.name = target.name
+        # the target's: a kept weight is a copy of the file's bytes and a dequantized one a new tensor either way,
+        # and what the target makes of that new tensor (a torchao subclass) is its own business
+        self.replaces_weight = target.replaces_weight
         self.output_sizes: list[int] = []
         self.params_dtype = torch.bfloat16
 

@@ -163,8 +163,9 @@ def check_loaded_dtype(loaded_weight, param_dtype: torch.dtype) -> None:
     if got in FLOAT8_DTYPES:
         raise WeightDtypeError(
             f"checkpoint dtype {_name(got)} for a {_name(param_dtype)} parameter: a float8 tensor needs its scale and "
-            f"cannot be cast as if it were {_name(param_dtype)}; this model was loaded from a checkpoint without "
-            f"float8 weights here: load the model from the FP8 checkpoint itself, or dequantize the weights first"
+            f"cannot be cast as if it were {_name(param_dtype)}. This parameter takes no float8 values: a scale, a "
+            f"norm or embedding, or a weight of a model loaded from a checkpoint whose weights are not float8 (load "
+            f"the model from the FP8 checkpoint itself, or dequantize the weights first)"
         )
     if param_dtype.is_floating_point and not (got.is_floating_point and not got.is_complex):
         raise WeightDtypeError(

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 #: checkpoint names of the linears a decoder layer stores in FP8
-FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 
 
 def is_fp8_linear(key: str) -> bool:

@@ -268,17 +268,19 @@ def test_fp8_model_refuses_other_dtypes_for_its_weights(ckpts, dtype):
 
 
 @pytest.mark.parametrize(
-    "change, field",
+    "base, change, field",
     [
-        ({"quant_method": "gptq"}, "quant_method='gptq'"),
-        ({"activation_scheme": "static"}, "activation_scheme"),
-        ({"weight_block_size": [64, 64]}, "weight_block_size=[64, 64]"),
-        ({"fmt": "e5m2"}, "fmt='e5m2'"),
+        ("block0", {"quant_method": "gptq"}, "quant_method='gptq'"),
+        ("block0", {"activation_scheme": "static"}, "activation_scheme"),
+        ("block0", {"weight_block_size": [64, 64]}, "weight_block_size=[64, 64]"),
+        ("block0", {"fmt": "e5m2"}, "fmt='e5m2'"),
+        ("channel", {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+        ("channel", {"format": "pack-quantized"}, "format='pack-quantized'"),
     ],
 )
-def test_unreadable_quantization_configs_are_refused_by_name(ckpts, tmp_path, change, field):
+def test_unreadable_quantization_configs_are_refused_by_name(ckpts, tmp_path, base, change, field):
     paths, _ = ckpts
-    config = json.loads((paths["block0"] / "config.json").read_text())
+    config = json.loads((paths[base] / "config.json").read_text())
     config["quantization_config"].update(change)
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_file({}, tmp_path / "model.safetensors")  # refused before a tensor is read (this file has none)
@@ -334,3 +336,34 @@ def test_weight_sync_takes_fp8_and_scale_pairs_from_a_trainer(ckpts):
     fresh = layerwise.load_model(paths["block1"])
     for name, t in fresh.state_dict().items():
         assert torch.equal(_bytes(model.state_dict()[name]), _bytes(t)), name
+
+
+def test_torchao_scheme_on_an_fp8_checkpoint_equals_the_dequantized_checkpoint(ckpts):
+    pytest.importorskip("torchao")
+    paths, _ = ckpts
+    scheme = "torchao:Int8WeightOnlyConfig"
+    assert torch.equal(
+        layerwise.load_model(paths["block0"], quantization=scheme)(IDS),
+        layerwise.load_model(paths["deq0"], quantization=scheme)(IDS),
+    )
+
+
+@pytest.mark.parametrize(
+    "ignore", ["model.layers.1", "layers.0.self_attn.qkv_proj", "re:.*layers\\.0\\.mlp\\.gate_up_proj"]
+)
+def test_phi3_fused_checkpoint_with_unquantized_modules(tmp_path, ignore):
+    """Phi-3 stores qkv_proj and gate_up_proj fused: FP8 with block scales, except the modules its list names (a
+    fused module by its own name, a regex, or a prefix covering a whole layer), stored in BF16. Every linear equals
+    the BF16 checkpoint of the same weights loaded as fp8-per-block, whichever way each was stored."""
+    bf16 = write_hf_checkpoint(tmp_path / "bf16", "Phi3ForCausalLM", hidden=256, intermediate=384)
+    listed = ignore.removeprefix("re:").replace("\\", "").replace(".*", "")
+    files = write_fp8_checkpoint(bf16, tmp_path / "fp8", "block", tmp_path / "deq", ignore=(listed,))
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = [ignore]
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    assert 0 < len(files) < 8  # some linears in FP8, some not
+    ours = dict(layerwise.load_model(tmp_path / "fp8").named_parameters())
+    theirs = dict(layerwise.load_model(tmp_path / "deq", quantization="fp8-per-block").named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(_bytes(ours[name]), _bytes(theirs[name])), name

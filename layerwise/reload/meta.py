@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from layerwise.reload.types import LayerReloadingInfo
 
@@ -82,7 +83,9 @@ class StagingBuffer:
         kept = layer_tensors(layer)
         moved = {}
         for name, t in kept.items():
-            if t.device != self.device or t.numel() == 0 or not lo <= t.untyped_storage().data_ptr() < hi:
+            if t.device != self.device or t.numel() == 0 or is_traceable_wrapper_subclass(t.data):
+                continue  # a tensor subclass (torchao's) has no storage of its own: its method built it afresh
+            if not lo <= t.untyped_storage().data_ptr() < hi:
                 continue
             data = t.detach().clone()
             if hasattr(t, "with_data"):  # a typed parameter (ModelWeightParameter) keeps its type and loader

@@ -198,6 +198,12 @@ def packed_broadcast_consumer(
     )
 
 
+#: the names newer vLLM gives the same two functions (``packed_nccl_broadcast_producer`` / ``_consumer``); a trainer
+#: importing either spelling runs unchanged
+packed_nccl_broadcast_producer = packed_broadcast_producer
+packed_nccl_broadcast_consumer = packed_broadcast_consumer
+
+
 def _check_packing(buffer_size_bytes: int, num_buffers: int) -> None:
     if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes <= 0:
         raise ValueError(f"buffer_size_bytes must be a positive int, got {buffer_size_bytes!r}")

@@ -181,3 +181,11 @@ def test_pickled_handles_need_an_opt_in(ckpts, vllm_trainer, monkeypatch, flag):
     assert vllm_trainer.reply() == ("error", "RuntimeError: engine: refused")
     assert model_digest(model) == digest
     ipc.shutdown()
+
+
+def test_newer_vllm_names_of_the_packed_functions_are_the_same_functions():
+    """Newer vLLM calls them packed_nccl_broadcast_producer / _consumer: importing either spelling works."""
+    from layerwise.transfer import packed_tensor
+
+    assert packed_tensor.packed_nccl_broadcast_producer is packed_tensor.packed_broadcast_producer
+    assert packed_tensor.packed_nccl_broadcast_consumer is packed_tensor.packed_broadcast_consumer
