@@ -132,16 +132,18 @@ def layer_tensors(size: str, layer: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def make_checkpoint(size: str, root: Path) -> Path:
+def make_checkpoint(size: str, root: Path, num_hidden_layers: int | None = None) -> Path:
     """``root/qwen3-moe-<size>``: generated once (random BF16, one safetensors shard per decoder layer plus one
-    for embeddings, norm and lm_head) and reused."""
+    for embeddings, norm and lm_head) and reused. ``num_hidden_layers``: another number of decoder layers than the
+    size's (``root/qwen3-moe-<size>-<n>l``; used by ``layerwise.benchmarks.tp_load --moe``)."""
     from safetensors.torch import save_file
 
-    folder = root / f"qwen3-moe-{size}"
+    s = dict(SIZES[size], **({"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}))
+    layers_suffix = f"-{num_hidden_layers}l" if num_hidden_layers else ""
+    folder = root / f"qwen3-moe-{size}{layers_suffix}"
     if (folder / "model.safetensors.index.json").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    s = SIZES[size]
     gen = torch.Generator().manual_seed(0)
     shards = {
         "model-embed.safetensors": {
@@ -160,8 +162,9 @@ def make_checkpoint(size: str, root: Path) -> Path:
             tensors[key] = t.to(torch.bfloat16)
             weight_map[key] = file
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config_json(size), indent=1))
-    index = {"metadata": {}, "weight_map": weight_map}
+    config = dict(config_json(size), num_hidden_layers=s["num_hidden_layers"])
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    index = {"metadata": {}, "weight_map": weight_map}  # written last: its presence means complete
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return folder
 

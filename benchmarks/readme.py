@@ -544,6 +544,60 @@ checkpoint = {shares}. Run it yourself with `torchrun --nproc-per-node 2 -m laye
 {tp_load_table(tp)}"""
 
 
+def tp_load_moe_table(result: dict) -> str:
+    """Markdown table of a tp_load --moe result: per tp size and layout, the largest rank's bytes read over the
+    checkpoint against its target, peak - model against one expert unit + the work buffer, and load seconds."""
+    lines = [
+        "| tp | layout | bytes read / checkpoint | target | peak - model (KiB) | one expert unit + work buffer (KiB) "
+        "| largest unit (KiB) | load s (slowest rank) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in result["results"]:
+        ranks = run["ranks"]
+        read = max(r["bytes_read_fraction"] for r in ranks)
+        over = max(r["peak_minus_model_bytes"] for r in ranks)
+        peak_target = max(r["peak_target_bytes"] for r in ranks)
+        read_mark = "" if all(r["meets_read_target"] for r in ranks) else " **(not met)**"
+        peak_mark = "" if all(r["meets_peak_target"] for r in ranks) else " **(not met)**"
+        lines.append(
+            f"| {run['tp']} | {run['layout']} | {read:.4f}{read_mark} | {run['read_target']['target_fraction']:.4f} "
+            f"| {over / 1024:,.1f}{peak_mark} | {peak_target / 1024:,.0f} "
+            f"| {max(r['largest_unit_bytes'] for r in ranks) / 1024:,.0f} | {run['slowest_rank_seconds']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _tp_load_moe(result: dict) -> str:
+    c = result["checkpoint"]
+    runs = result["results"]
+    met = all(r["meets_read_target"] and r["meets_peak_target"] for run in runs for r in run["ranks"])
+    replicated = ", ".join(
+        f"{run['read_target']['replicated_bytes'] / MIB:.2f} MiB at tp={run['tp']}"
+        for run in runs
+        if run["tp"] > 1 and run["layout"] == runs[-1]["layout"]
+    )
+    shape = (
+        f"{c['num_experts']} experts, top-{c['num_experts_per_tok']}, {c['num_hidden_layers']} layers, "
+        f"hidden {c['hidden_size']}, moe_intermediate_size {c['moe_intermediate_size']}, "
+        f"{c['num_key_value_heads']} kv head(s); {c['checkpoint_bytes'] / MIB:,.1f} MiB of BF16"
+    )
+    return f"""### Tensor-parallel load, mixture of experts
+
+`python -m layerwise.benchmarks.tp_load --moe`: the Qwen3-30B-A3B-shaped checkpoint of the MoE load benchmark
+({shape}) loaded as {result["quantization"]} with `global_scales=True` on tp ranks ({result.get("backend", "gloo")},
+one thread per process; a warm-up load, a tracked load for the bytes, an untracked one for the time), in both MoE
+layouts: **tp** (every expert, its intermediate dimension sharded) and **ep** (`expert_parallel=True`: whole experts
+per rank, the others never read). Targets per rank: bytes read / checkpoint <= 1/tp + the share every rank reads
+whole (norms, routers, and the k/v heads when tp exceeds them: {replicated}); peak - model <= one expert unit (an
+expert's gate+up on that rank, BF16) + the FP8 work buffer ({result["work_buffer_bytes"] / 1024:,.0f} KiB). All
+targets {"met" if met else "**not met**"}. With global scales the tp layout reduces every expert's amax over the
+ranks, one all-reduce per expert unit, and quantizes each expert from its materialized unit; the ep layout needs
+neither. Run with {_provenance(result)}. The same layouts generate text in
+`torchrun --nproc-per-node 2 -m layerwise.tp_demo --moe [--expert-parallel] --compare`.
+
+{tp_load_moe_table(result)}"""
+
+
 def device_key(data: dict) -> str:
     """ "cpu", or the GPU's name, for grouping results by the device they ran on."""
     if str(data.get("device", "cpu")).startswith("cpu"):
@@ -897,14 +951,17 @@ def section(results: Path, readme: Path) -> str:
     image = Path(os.path.relpath(png, readme.resolve().parent)).as_posix() if png.exists() else None
     pm = data["peak_memory"]
     reused = latest.get(("peak_memory_reused", "cpu"))
+    tp_part = _tp_load(data["tp_load"], pm)
     parts = [
         _intro(pm),
         _peak_memory(pm, image, reused),
         _reload_latency(data["reload_latency"], pm),
         _weight_transfer(data["weight_transfer"], pm),
-        _tp_load(data["tp_load"], pm),
+        tp_part,
         _quant_kernels(data["quant_kernels"], pm),
     ]
+    if ("tp_load_moe", "cpu") in latest:  # right after the dense tensor-parallel load
+        parts.insert(parts.index(tp_part) + 1, _tp_load_moe(latest[("tp_load_moe", "cpu")][1]))
     for ml in _latest_per_size(results, "moe_load"):
         parts.append(_moe_load(ml))
     if ("rollout", "cpu") in latest:

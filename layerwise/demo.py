@@ -1,4 +1,4 @@
-"""An embedded default checkpoint: a small random BF16 Qwen3 model written in Hugging Face format.
+"""Embedded default checkpoints: a small random BF16 Qwen3 model (and a Qwen3-MoE one) written in Hugging Face format.
 
 Nothing is downloaded. The tensors are generated from a fixed seed and written with safetensors
 into shards listed by model.safetensors.index.json, exactly as transformers' save_pretrained lays
@@ -45,6 +45,31 @@ DEMO_CONFIG = {
     "attention_bias": False,
     "dtype": "bfloat16",
 }
+#: the mixture-of-experts demo (``torchrun -m layerwise.tp_demo --moe``): Qwen3-MoE, 8 experts, top-2, layer 0 dense;
+#: sizes that split over 2 or 4 ranks in either layout (experts, or their intermediate dimension)
+DEMO_MOE_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "moe_intermediate_size": 256,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+    "norm_topk_prob": True,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,  # greedy tokens vary (tied: one token repeated)
+    "attention_bias": False,
+    "dtype": "bfloat16",
+}
 
 
 def default_cache_dir() -> Path:
@@ -54,8 +79,17 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "layerwise"
 
 
+def _is_sparse(cfg: dict, layer: int) -> bool:
+    """Whether decoder layer ``layer`` of a Qwen3(-MoE) config has experts (transformers' rule)."""
+    return (
+        cfg.get("num_experts", 0) > 0
+        and layer not in cfg.get("mlp_only_layers", [])
+        and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0
+    )
+
+
 def _qwen3_tensors(cfg: dict, generator: torch.Generator):
-    """(key, tensor) in Hugging Face naming for a Qwen3 config, BF16, std 0.02, norms at 1."""
+    """(key, tensor) in Hugging Face naming for a Qwen3 or Qwen3-MoE config, BF16, std 0.02, norms at 1."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
@@ -73,9 +107,17 @@ def _qwen3_tensors(cfg: dict, generator: torch.Generator):
         yield f"{p}.self_attn.o_proj.weight", rand(h, nq * d)
         yield f"{p}.self_attn.q_norm.weight", torch.ones(d, dtype=torch.bfloat16)
         yield f"{p}.self_attn.k_norm.weight", torch.ones(d, dtype=torch.bfloat16)
-        yield f"{p}.mlp.gate_proj.weight", rand(i, h)
-        yield f"{p}.mlp.up_proj.weight", rand(i, h)
-        yield f"{p}.mlp.down_proj.weight", rand(h, i)
+        if _is_sparse(cfg, n):  # router [E, H], then each expert's projections
+            experts, moe_i = cfg["num_experts"], cfg["moe_intermediate_size"]
+            yield f"{p}.mlp.gate.weight", rand(experts, h)
+            for e in range(experts):
+                yield f"{p}.mlp.experts.{e}.gate_proj.weight", rand(moe_i, h)
+                yield f"{p}.mlp.experts.{e}.up_proj.weight", rand(moe_i, h)
+                yield f"{p}.mlp.experts.{e}.down_proj.weight", rand(h, moe_i)
+        else:
+            yield f"{p}.mlp.gate_proj.weight", rand(i, h)
+            yield f"{p}.mlp.up_proj.weight", rand(i, h)
+            yield f"{p}.mlp.down_proj.weight", rand(h, i)
     yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
     if not cfg.get("tie_word_embeddings"):
         yield "lm_head.weight", rand(v, h)
@@ -89,7 +131,7 @@ def write_checkpoint(
     *,
     tokenizer: bool | None = None,
 ) -> Path:
-    """Write a random BF16 checkpoint for a Qwen3 ``config`` (HF field names) into ``path``.
+    """Write a random BF16 checkpoint for a Qwen3 or Qwen3-MoE ``config`` (HF field names) into ``path``.
 
     Shards hold at most ``max_shard_bytes`` of tensor data (a larger tensor gets its own shard).
 
@@ -164,6 +206,16 @@ def demo_checkpoint(cache_dir: str | os.PathLike | None = None, seed: int = 0) -
         write_checkpoint(path, DEMO_CONFIG, seed=seed, tokenizer=True)
     elif not (path / GENERATION_CONFIG_NAME).exists():
         write_text_files(path, DEMO_CONFIG)
+    return path
+
+
+def demo_moe_checkpoint(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """The mixture-of-experts demo checkpoint's directory (:data:`DEMO_MOE_CONFIG`, about 16 MiB of BF16, with the
+    demo tokenizer), generated on first use like :func:`demo_checkpoint`."""
+    name = "demo-qwen3-moe-4l" if seed == 0 else f"demo-qwen3-moe-4l-seed{seed}"
+    path = Path(cache_dir or default_cache_dir()) / name
+    if not (path / GENERATION_CONFIG_NAME).exists():  # written last: its presence means complete
+        write_checkpoint(path, DEMO_MOE_CONFIG, seed=seed, tokenizer=True)
     return path
 
 
