@@ -269,9 +269,10 @@ def load_model(
             with the same arguments, reads only its slices of the checkpoint and holds only its shard.
             None: no tensor parallelism, whatever torch.distributed's default group is. Kept on the model
             as ``model.tp_group``; forward, reload and weight sync use it.
-        global_scales: with tp_group and per-tensor FP8, reduce each weight's amax (max) over the group
-            so that every rank's FP8 shard equals the matching slice of the unsharded model byte for byte;
-            False (vLLM's behaviour): each rank's scale comes from its own shard.
+        global_scales: with tp_group and FP8, reduce (max) over the group every amax that spans the ranks'
+            shards (per tensor; per channel, a row-parallel row or an expert's down row) so that every rank's
+            FP8 shard equals the matching slice of the unsharded model byte for byte; False (vLLM's behaviour):
+            each rank's scale comes from its own shard.
         expert_parallel: with tp_group, how mixture-of-experts layers are sharded (vLLM's two layouts,
             ``layerwise/layers/fused_moe.py``): False, every rank holds every expert with its intermediate
             dimension split (w13_weight [E, 2I/N, H], w2_weight [E, H, I/N]); True, rank r holds experts

@@ -56,6 +56,8 @@ def _route(module: nn.Module, name: str, tensor: torch.Tensor, key: str, shard_i
         resolved = module.checkpoint_param(name)
         if resolved is not None:
             _load_param(module, resolved[0], tensor, key, resolved[1])
+        else:  # its metadata checked alike on every rank, nothing read
+            module.check_unowned(name, tensor)
         return
     head, _, rest = name.partition(".")
     if not rest:

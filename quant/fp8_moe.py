@@ -50,6 +50,7 @@ from layerwise.kernels import (
     fp8_scale,
     fp8_scale_pieces_batch,
     pieces_fit,
+    require_finite,
     scale_from_amax,
     scale_shape,
 )
@@ -116,6 +117,9 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         self.scale_names = {p: p.replace("weight", dense_scale) for p in EXPERT_PARAMS}
         self.amax_reduce = amax_reduce
         self.reduced: tuple[str, ...] = ()  # the parameters whose scales are reduced over the group
+        # sharded over a group that reduces: every expert unit joins one collective, so that a NaN in one rank's
+        # slice fails every rank at that unit instead of leaving the others waiting in a later reduction
+        self.agree = False
 
     def configure_tp_shard(self, layer_name: str, local_intermediate_size: int) -> None:
         """Per-block scales: the slice must be whole 128-blocks. With ``amax_reduce``, the scales that span the
@@ -133,6 +137,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             )
         if self.amax_reduce is not None:
             self.reduced = {"tensor": EXPERT_PARAMS, "channel": ("w2_weight",), "block": ()}[self.granularity]
+            self.agree = True
 
     def create_kernel_tensors(self, layer: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
         out = {}
@@ -146,7 +151,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     def accepts_weight_pieces(self, shape: torch.Size, spans: list[tuple[int, int]]) -> bool:
         """An expert's gate and up loads (or its down load) are quantized where they are, when they fit; not when a
         scale is reduced over the group (its amax is taken whole, then reduced)."""
-        return not self.reduced and pieces_fit(shape, spans, self.granularity)
+        return not self.agree and pieces_fit(shape, spans, self.granularity)
 
     def process_expert(self, layer, param_name, expert_id, weight, kernel_tensors, weight_pieces=None) -> None:
         """Quantize ``weight`` [N, K] into ``kernel_tensors[param_name][expert_id]`` and its scale slice.
@@ -171,6 +176,10 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             else:
                 q.copy_(fp8_quantize(weight, scale, self.kernel, within_range=True))
         else:
+            if self.agree:  # no scale to reduce: agree on finiteness instead (the rank with NaN sends Inf)
+                amax = fp8_amax(weight, "tensor", self.kernel).reshape(1)
+                flag = self.amax_reduce(torch.where(torch.isfinite(amax), torch.zeros_like(amax), float("inf")))
+                require_finite(flag, f"{param_name} of expert {expert_id} holds NaN or Inf (on some rank's slice)")
             scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
             if self.kernel == "torch":
                 fp8_quantize(weight, scale, within_range=True, out=q)

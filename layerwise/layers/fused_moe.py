@@ -123,6 +123,7 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.expert_shards = MappingProxyType(dict(expert_shards))
         self.prefix = prefix
+        self.params_dtype = params_dtype  # the checkpoint format's (the kernel tensors may be FP8)
         self.quant_method = quant_method
         quant_method.create_weights(self, num_experts, hidden_size, intermediate_size, params_dtype, self.weight_loader)
 
@@ -156,6 +157,22 @@ class FusedMoE(nn.Module):
             return None  # another rank's expert
         return ("w2_weight" if shard == "w2" else "w13_weight"), (local, shard)
 
+    def check_unowned(self, name: str, loaded_weight) -> None:
+        """The checks an expert's checkpoint tensor gets on the ranks that skip it (expert parallelism: another rank
+        holds the expert), from its metadata alone (nothing is read): the dtype and the shape its owner's
+        :meth:`weight_loader` checks, so a bad tensor fails on every rank alike. Its values (NaN, Inf) are checked
+        by the owner only.
+
+        Raises:
+            WeightShapeError / WeightDtypeError: as :meth:`weight_loader` would on the owner.
+        """
+        check_loaded_dtype(loaded_weight, self.params_dtype)
+        shard = self.expert_shards[name.split(".")[1]]
+        expected = (self.full_intermediate_size, self.hidden_size)
+        expected = expected[::-1] if shard == "w2" else expected
+        if tuple(loaded_weight.shape) != expected:
+            raise WeightShapeError(f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {expected}")
+
     def weight_loader(self, param: torch.Tensor, loaded_weight, shard_id: tuple[int, str]) -> None:
         """Copy one expert's projection into ``param[expert_id]`` (this rank's expert index): w1 -> rows [0, I) of
         w13, w3 -> rows [I, 2I), w2 -> the whole [H, I] slice of w2 (I: this rank's intermediate size; under
@@ -185,11 +202,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{self.prefix}: shard {shard!r} does not fit a parameter of shape {tuple(param.shape)}")
         else:
             expected, dim = (self.hidden_size, full), 1
-        if tuple(loaded_weight.shape) != expected:
-            raise WeightShapeError(
-                f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {expected} "
-                f"(expert {expert_id + self.expert_start}, {shard})"
-            )
+        if tuple(loaded_weight.shape) != expected:  # the key names the expert (in a session this runs as expert 0's)
+            raise WeightShapeError(f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {expected}")
         if i != full:  # this rank's rows (gate, up) or columns (down): only they are read
             loaded_weight = loaded_weight.narrow(dim, self.tp.rank * i, i)
         copy_loaded(loaded_weight, target)  # without waiting where a session allows it (Limitations 12)

@@ -5,7 +5,8 @@ Checkpoint keys: ``model.layers.N.block_sparse_moe.gate.weight`` (router [E, H])
 ``model.layers.N.block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` (gate, up, down). Routing
 (transformers' ``MixtralTopKRouter``): softmax in float32, top ``num_experts_per_tok``, always
 renormalized, weights kept in float32. Sliding-window attention when config.json sets
-``sliding_window``. No tensor parallelism (TensorParallelError).
+``sliding_window``. Under tensor parallelism the experts are sharded in one of vLLM's two layouts
+(``layerwise/layers/fused_moe.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral decoder plus an LM head: int64 ids [B, T] -> logits [B, T, vocab] (see CausalLM.forward).
 
     Raises:
-        TensorParallelError: built with a tensor-parallel group of more than one rank.
+        TensorParallelError: a size of the config does not split over the tensor-parallel group.
     """
 
     decoder_layer_cls = MixtralDecoderLayer

@@ -6,7 +6,8 @@ unless i is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (tr
 which case it has Qwen3's dense MLP of ``intermediate_size``. Routing: softmax in float32, top
 ``num_experts_per_tok``, renormalized only with ``norm_topk_prob``, weights cast back to the
 activation dtype (transformers' ``Qwen3MoeTopKRouter``). Sliding-window attention on every layer when
-``use_sliding_window`` is set, as transformers does. No tensor parallelism (TensorParallelError).
+``use_sliding_window`` is set, as transformers does. Under tensor parallelism the experts are sharded in one of
+vLLM's two layouts (``layerwise/layers/fused_moe.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def sparse_moe_block(
 
     Raises:
         ValueError: a scheme with no MoE method (see :meth:`layerwise.quant.config.QuantConfig.get_moe_method`).
-        TensorParallelError: ``tp`` has more than one rank.
+        TensorParallelError: the experts (expert parallelism) or their intermediate size do not split over ``tp``.
     """
     return SparseMoeBlock(
         config.num_experts,
@@ -88,7 +89,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE decoder plus an LM head: int64 ids [B, T] -> logits [B, T, vocab] (see CausalLM.forward).
 
     Raises:
-        TensorParallelError: built with a tensor-parallel group of more than one rank.
+        TensorParallelError: a size of the config does not split over the tensor-parallel group.
     """
 
     decoder_layer_cls = Qwen3MoeDecoderLayer

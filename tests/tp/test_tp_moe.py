@@ -198,3 +198,38 @@ def test_weight_sync_into_a_tp2_moe_engine(tp2, tmp_path, layout):
     for out in results:
         assert out["equal"] and out["ptrs_kept"]
     assert results[0]["tokens"] == results[1]["tokens"]
+
+
+def _expert_stream(path, experts, corrupt=None):
+    ckpt = Checkpoint(path)
+    try:
+        stream = [(k, t.clone()) for k, t in ckpt if any(f".experts.{e}." in k for e in experts)]
+    finally:
+        ckpt.close()
+    return [(k, corrupt(k, t) if corrupt else t) for k, t in stream]
+
+
+def test_a_nan_in_one_ranks_slice_fails_every_rank(tp2, moe_checkpoints):
+    """TP over the experts with global scales, per channel (w13's scales are not reduced): a NaN in rank 0's rows of
+    an expert's gate fails both ranks at that expert, instead of leaving rank 1 waiting in a later reduction."""
+    path = moe_checkpoints["Qwen3MoeForCausalLM"]
+
+    def nan_row_0(key, t):
+        if key.endswith("experts.2.gate_proj.weight"):
+            t = t.clone()
+            t[0, 0] = float("nan")
+        return t
+
+    stream = _expert_stream(path, [2, 3], nan_row_0)
+    for out in tp2.run(workers.reload_error, str(path), stream, "fp8-per-channel", False):
+        assert out is not None and out[0] == "NonFiniteWeightError", out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_misshapen_expert_fails_every_rank(tp2, moe_checkpoints, layout):
+    """Expert parallelism: the ranks that skip an expert still check its shape and dtype (from its metadata), so a bad
+    tensor fails every rank alike."""
+    path = moe_checkpoints["Qwen3MoeForCausalLM"]
+    stream = _expert_stream(path, [1], lambda k, t: t[:-1] if k.endswith("gate_proj.weight") else t)
+    for out in tp2.run(workers.reload_error, str(path), stream, "fp8", LAYOUTS[layout]):
+        assert out is not None and out[0] == "WeightShapeError" and "experts.1.gate_proj" in out[1], out

@@ -161,3 +161,16 @@ def partial_expert_reload(group, path_a, stream, expert_parallel):
                     not torch.equal(_bytes(a), _bytes(b)) for a, b in zip(was, now, strict=True)
                 )
     return changed
+
+
+def reload_error(group, path_a, stream, quantization, expert_parallel, global_scales=True):
+    """Load A, reload ``stream``; the error's type name and message on this rank (None: it succeeded)."""
+    model = layerwise.load_model(
+        path_a, quantization=quantization, tp_group=group, global_scales=global_scales, expert_parallel=expert_parallel
+    )
+    try:
+        layerwise.reload_weights(model, stream)
+    except Exception as e:  # noqa: BLE001 -- returned to the test
+        cause = getattr(e, "cause", None)
+        return type(cause or e).__name__, str(e)
+    return None
