@@ -75,7 +75,11 @@ class ModelWeightParameter(nn.Parameter):
         """A new parameter of the same type and layout holding ``data`` (same shape required)."""
         if data.shape != self.shape:
             raise ValueError(f"with_data: shape {tuple(data.shape)} != {tuple(self.shape)}")
-        return type(self)(data, weight_loader or self.weight_loader, self.output_dim, self.input_dim)
+        return type(self)(data, weight_loader or self.weight_loader, self.output_dim, self.input_dim, **self._layout())
+
+    def _layout(self) -> dict:
+        """The constructor's keyword arguments beyond the base's (a subclass's layout), for :meth:`with_data`."""
+        return {}
 
     def load_shard(
         self,
@@ -266,18 +270,8 @@ class BlockScaleParameter(ModelWeightParameter):
         self.row_sizes = tuple(row_sizes)
         self.block = tuple(block)
 
-    def with_data(self, data: torch.Tensor, weight_loader: WeightLoader | None = None) -> BlockScaleParameter:
-        """A new parameter of the same type, layout, row sizes and block holding ``data`` (same shape required)."""
-        if data.shape != self.shape:
-            raise ValueError(f"with_data: shape {tuple(data.shape)} != {tuple(self.shape)}")
-        return type(self)(
-            data,
-            weight_loader or self.weight_loader,
-            self.output_dim,
-            self.input_dim,
-            row_sizes=self.row_sizes,
-            block=self.block,
-        )
+    def _layout(self) -> dict:
+        return {"row_sizes": self.row_sizes, "block": self.block}
 
     def load_shard(
         self,

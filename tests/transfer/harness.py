@@ -88,12 +88,13 @@ def trainer_main(commands, replies) -> None:
 
 
 class Trainer:
-    """Handle on a trainer child process (spawned); ``close()`` ends it within a few seconds."""
+    """Handle on a trainer child process (spawned); ``close()`` ends it within a few seconds. ``main``: the process's
+    command loop, ``main(commands, replies)`` (default :func:`trainer_main`), which first replies ("ready", ...)."""
 
-    def __init__(self):
+    def __init__(self, main=None):
         ctx = mp.get_context("spawn")
         self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=trainer_main, args=(self.commands, self.replies), daemon=True)
+        self.process = ctx.Process(target=main or trainer_main, args=(self.commands, self.replies), daemon=True)
         self.process.start()
         kind, _ = self.reply()  # imported and listening: a short group timeout starts counting only now
         assert kind == "ready", kind
@@ -105,9 +106,11 @@ class Trainer:
         """The next reply (kind, payload); raises queue.Empty after ``timeout`` seconds."""
         return self.replies.get(timeout=timeout)
 
-    def expect_ok(self, timeout: float = WAIT_SECONDS) -> None:
+    def expect_ok(self, timeout: float = WAIT_SECONDS):
+        """The payload of the next reply, which must be ("ok", payload)."""
         kind, payload = self.reply(timeout)
         assert kind == "ok", f"trainer replied {kind}: {payload}"
+        return payload
 
     def kill(self) -> None:
         """End the process now (a trainer stuck in a send cannot read "exit")."""

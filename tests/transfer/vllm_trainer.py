@@ -18,9 +18,8 @@ from __future__ import annotations
 import queue
 
 import torch
-import torch.multiprocessing as mp
 
-WAIT_SECONDS = 60.0
+from tests.transfer.harness import WAIT_SECONDS, Trainer
 
 
 def trainer_main(commands, replies) -> None:
@@ -88,31 +87,9 @@ def trainer_main(commands, replies) -> None:
             replies.put(("error", f"{type(e).__name__}: {e}"))
 
 
-class VLLMTrainer:
-    """Handle on the vLLM-style trainer process (spawned); ``close()`` ends it within a few seconds."""
+class VLLMTrainer(Trainer):
+    """Handle on the vLLM-style trainer process (spawned, :func:`trainer_main`); ``close()`` ends it within a few
+    seconds."""
 
     def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=trainer_main, args=(self.commands, self.replies), daemon=True)
-        self.process.start()
-        assert self.reply()[0] == "ready"
-
-    def send(self, cmd: str, payload=None) -> None:
-        self.commands.put((cmd, payload))
-
-    def reply(self, timeout: float = WAIT_SECONDS):
-        return self.replies.get(timeout=timeout)
-
-    def expect_ok(self, timeout: float = WAIT_SECONDS):
-        kind, payload = self.reply(timeout)
-        assert kind == "ok", f"trainer replied {kind}: {payload}"
-        return payload
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            self.send("exit")
-            self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
+        super().__init__(main=trainer_main)
