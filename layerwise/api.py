@@ -341,9 +341,9 @@ def _open_weights(model: nn.Module, weights: Weights, lazy: bool):
                     f"model's {getattr(own, name)}",
                     file=ckpt.config_path,
                 )
-        fp8_format = Fp8CheckpointFormat.from_config(ckpt.config, ckpt.config_path)
-        own_format = checkpoint_fp8_format(model)
-        if lazy and fp8_format != own_format:  # lazy: a checkpoint-format reload (kernel format: the model's names)
+        fp8_format = Fp8CheckpointFormat.from_config(ckpt.config, ckpt.config_path)  # refuses an unreadable one
+        own_format = checkpoint_fp8_format(model) if lazy else fp8_format  # lazy: a checkpoint-format reload
+        if fp8_format != own_format:
             described = fp8_format.describe() if fp8_format else "unquantized (no quantization_config)"
             raise WeightDtypeError(
                 f"the checkpoint's linear weights are {described}, the live model was loaded from "

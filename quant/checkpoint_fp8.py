@@ -291,9 +291,8 @@ class Fp8CheckpointLinearMethod(QuantMethod):
             torch.empty(out, input_size, dtype=FP8_DTYPE), weight_loader, output_dim=0, input_dim=1
         )
         if self.fmt.granularity == "block":
-            rows = sum(-(-n // BLOCK[0]) for n in output_sizes)
             scale = BlockScaleParameter(
-                torch.empty(rows, -(-input_size // BLOCK[1]), dtype=torch.float32),
+                torch.empty(sum(self.scale_rows()), -(-input_size // BLOCK[1]), dtype=torch.float32),
                 weight_loader,
                 output_dim=0,
                 input_dim=1,
@@ -305,8 +304,15 @@ class Fp8CheckpointLinearMethod(QuantMethod):
         layer.register_parameter("weight", weight)
         layer.register_parameter(self.fmt.scale_name, scale)
 
-    def _kept(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-        """The target's scale tensor when the file's bytes ``q`` with ``scale`` are already the target's kernel
+    def scale_rows(self) -> list[int]:
+        """Rows of the checkpoint-format scale per fused shard: its block rows (ceil(O_i / 128)) for a block
+        checkpoint, its O_i rows otherwise."""
+        if self.fmt.granularity == "block":
+            return [-(-n // BLOCK[0]) for n in self.output_sizes]
+        return list(self.output_sizes)
+
+    def _kept(self, scale: torch.Tensor) -> torch.Tensor | None:
+        """The target's scale tensor when the file's bytes with their ``scale`` are already the target's kernel
         tensors, else None."""
         target = self.target
         # under tensor parallelism the file's bytes are already every rank's slice of the unsharded layer, global
@@ -331,7 +337,7 @@ class Fp8CheckpointLinearMethod(QuantMethod):
         q, scale = layer.weight.data, getattr(layer, self.fmt.scale_name).data
         out = torch.empty(q.shape, dtype=self.params_dtype, device=q.device)
         row = grid_row = 0
-        for n in self.output_sizes:  # each fused shard with its own scale rows (block rows)
+        for n, n_scale in zip(self.output_sizes, self.scale_rows(), strict=True):  # each shard, its own scale rows
             for start in range(0, n, BLOCK[0]):
                 rows = slice(row + start, row + min(n, start + BLOCK[0]))
                 if self.fmt.granularity == "block":
@@ -339,7 +345,7 @@ class Fp8CheckpointLinearMethod(QuantMethod):
                 else:
                     scales = scale[rows]
                 out[rows] = fp8_dequantize(q[rows], scales, self.params_dtype)
-            row, grid_row = row + n, grid_row + -(-n // BLOCK[0])
+            row, grid_row = row + n, grid_row + n_scale
         return out
 
     def process_weights_after_loading(self, layer: nn.Module, into: dict[str, torch.Tensor] | None = None) -> None:
@@ -350,12 +356,12 @@ class Fp8CheckpointLinearMethod(QuantMethod):
             NonFiniteWeightError: the scale or another parameter (a bias) holds NaN or Inf (float8_e4m3fn bytes
                 can hold NaN too: the weight is checked where it is dequantized).
         """
-        check_finite(layer, skip=("weight",))
         scale_name = self.fmt.scale_name
         q, scale = layer.weight.data, getattr(layer, scale_name).data
-        kept = self._kept(q, scale)
+        kept = self._kept(scale)
+        # float8_e4m3fn has a NaN encoding: a kept weight is checked here, a dequantized one by the target
+        check_finite(layer, skip=() if kept is not None else ("weight",))
         if kept is not None:
-            check_finite(layer)  # float8_e4m3fn has a NaN encoding
             delattr(layer, scale_name)
             layer.weight = nn.Parameter(q.clone(), requires_grad=False)
             layer.register_parameter(self.target.scale_name, nn.Parameter(kept.clone(), requires_grad=False))

@@ -167,20 +167,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         g, (n, k) = self.granularity, q.shape
         if weight_pieces is not None:  # from the loaded tensors themselves; raises before any write
             scale = fp8_quantize_pieces(weight_pieces, q.shape, g, q, self.kernel)
-        elif param_name in self.reduced:  # every rank reaches this expert in the same order (the same stream)
-            amax = fp8_amax(weight, g, self.kernel)
-            amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("inf")))  # NaN -> Inf on all
-            scale = scale_from_amax(self.amax_reduce(amax))  # the max over ranks; Inf from any rank raises on all
-            if self.kernel == "torch":
-                fp8_quantize(weight, scale, within_range=True, out=q)
-            else:
-                q.copy_(fp8_quantize(weight, scale, self.kernel, within_range=True))
         else:
-            if self.agree:  # no scale to reduce: agree on finiteness instead (the rank with NaN sends Inf)
-                amax = fp8_amax(weight, "tensor", self.kernel).reshape(1)
-                flag = self.amax_reduce(torch.where(torch.isfinite(amax), torch.zeros_like(amax), float("inf")))
-                require_finite(flag, f"{param_name} of expert {expert_id} holds NaN or Inf (on some rank's slice)")
-            scale = fp8_scale(weight, g, self.kernel)  # whole expert; raises before any write
+            scale = self._scale(param_name, expert_id, weight)  # raises before any write
             if self.kernel == "torch":
                 fp8_quantize(weight, scale, within_range=True, out=q)
             else:
@@ -188,6 +176,27 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                     tile_scale = _tile_scale(scale, g, r0, r1, c0, c1)
                     q[r0:r1, c0:c1].copy_(fp8_quantize(weight[r0:r1, c0:c1], tile_scale, self.kernel))
         kernel_tensors[self.scale_names[param_name]].data[expert_id].copy_(scale)
+
+    def _scale(self, param_name: str, expert_id: int, weight: torch.Tensor) -> torch.Tensor:
+        """The scale of one expert's ``weight`` [N, K] (the whole expert, or this rank's slice of it).
+
+        Sharded over a group that reduces (``self.agree``), the ranks reach this expert in the same order (the same
+        stream) and each joins one collective: the amax itself (max) where the scale spans the slices
+        (``self.reduced``), else a finiteness flag, so a NaN or Inf in any rank's slice raises on every rank.
+
+        Raises:
+            NonFiniteWeightError: ``weight`` (or, under a reducing group, any rank's slice) holds NaN or Inf.
+        """
+        if not self.agree:
+            return fp8_scale(weight, self.granularity, self.kernel)
+        amax = fp8_amax(weight, self.granularity, self.kernel)
+        inf = torch.full_like(amax, float("inf"))
+        if param_name in self.reduced:  # NaN -> Inf on all; the max over ranks; Inf from any rank raises on all
+            return scale_from_amax(self.amax_reduce(torch.where(torch.isfinite(amax), amax, inf)))
+        bad = torch.where(torch.isfinite(amax).all(), torch.zeros(1, device=amax.device), float("inf"))
+        flag = self.amax_reduce(bad)
+        require_finite(flag, f"{param_name} of expert {expert_id} holds NaN or Inf (on some rank's slice)")
+        return scale_from_amax(amax)
 
     def process_experts(self, layer, batches, kernel_tensors) -> None:
         """Experts given as their pieces, ``{param_name: (expert_ids, weight_pieces)}``, into their FP8 slices and

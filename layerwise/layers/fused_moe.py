@@ -166,12 +166,23 @@ class FusedMoE(nn.Module):
         Raises:
             WeightShapeError / WeightDtypeError: as :meth:`weight_loader` would on the owner.
         """
-        check_loaded_dtype(loaded_weight, self.params_dtype)
-        shard = self.expert_shards[name.split(".")[1]]
-        expected = (self.full_intermediate_size, self.hidden_size)
-        expected = expected[::-1] if shard == "w2" else expected
+        self._check_checkpoint_tensor(loaded_weight, self.expert_shards[name.split(".")[1]], self.params_dtype)
+
+    def _check_checkpoint_tensor(self, loaded_weight, shard: str, dtype: torch.dtype) -> int:
+        """Check an expert projection's unsharded checkpoint tensor ([I_full, H] for w1 / w3, [H, I_full] for w2)
+        against ``dtype`` and its shape; returns the dimension a rank's slice is taken along (0: gate / up rows,
+        1: down columns).
+
+        Raises:
+            WeightDtypeError: a dtype a copy would cast into other values. WeightShapeError: another shape (the key,
+                added by the router, names the expert: in a session the loader runs as expert 0's).
+        """
+        check_loaded_dtype(loaded_weight, dtype)
+        dim = 1 if shard == "w2" else 0
+        expected = (self.full_intermediate_size, self.hidden_size)[:: -1 if dim else 1]
         if tuple(loaded_weight.shape) != expected:
             raise WeightShapeError(f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {expected}")
+        return dim
 
     def weight_loader(self, param: torch.Tensor, loaded_weight, shard_id: tuple[int, str]) -> None:
         """Copy one expert's projection into ``param[expert_id]`` (this rank's expert index): w1 -> rows [0, I) of
@@ -189,7 +200,6 @@ class FusedMoE(nn.Module):
                 ``param`` (:func:`layerwise.quant.parameters.check_loaded_dtype`).
             ValueError: a shard_id that does not fit ``param``.
         """
-        check_loaded_dtype(loaded_weight, param.dtype)
         expert_id, shard = shard_id
         target = param.data[expert_id]
         i, full = self.intermediate_size, self.full_intermediate_size
@@ -197,13 +207,9 @@ class FusedMoE(nn.Module):
             if param.shape[1:] != (2 * i, self.hidden_size):
                 raise ValueError(f"{self.prefix}: shard {shard} belongs to w13_weight")
             target = target.narrow(0, 0 if shard == "w1" else i, i)
-            expected, dim = (full, self.hidden_size), 0
         elif shard != "w2" or param.shape[1:] != (self.hidden_size, i):
             raise ValueError(f"{self.prefix}: shard {shard!r} does not fit a parameter of shape {tuple(param.shape)}")
-        else:
-            expected, dim = (self.hidden_size, full), 1
-        if tuple(loaded_weight.shape) != expected:  # the key names the expert (in a session this runs as expert 0's)
-            raise WeightShapeError(f"checkpoint shape {tuple(loaded_weight.shape)} does not match expected {expected}")
+        dim = self._check_checkpoint_tensor(loaded_weight, shard, param.dtype)
         if i != full:  # this rank's rows (gate, up) or columns (down): only they are read
             loaded_weight = loaded_weight.narrow(dim, self.tp.rank * i, i)
         copy_loaded(loaded_weight, target)  # without waiting where a session allows it (Limitations 12)

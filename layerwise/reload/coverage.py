@@ -87,8 +87,7 @@ def _unpaired_fp8(module: nn.Module, info: LayerReloadingInfo) -> MissingScaleEr
     parent, _, name = info.prefix.rpartition(".")
     shards = FUSED_SHARDS.get(name, ()) if len(method.output_sizes) > 1 else ()
     row = scale_rows = 0
-    for i, rows in enumerate(method.output_sizes):
-        n_scale = -(-rows // 128) if method.fmt.granularity == "block" else rows
+    for i, (rows, n_scale) in enumerate(zip(method.output_sizes, method.scale_rows(), strict=True)):
         lacks_weight = unwritten_in_range(info.writes["weight"], row * weight_row, (row + rows) * weight_row)
         lacks_scale = unwritten_in_range(
             info.writes[scale_name], scale_rows * scale_row, (scale_rows + n_scale) * scale_row
