@@ -951,17 +951,16 @@ def section(results: Path, readme: Path) -> str:
     image = Path(os.path.relpath(png, readme.resolve().parent)).as_posix() if png.exists() else None
     pm = data["peak_memory"]
     reused = latest.get(("peak_memory_reused", "cpu"))
-    tp_part = _tp_load(data["tp_load"], pm)
+    tp_moe = latest.get(("tp_load_moe", "cpu"))
     parts = [
         _intro(pm),
         _peak_memory(pm, image, reused),
         _reload_latency(data["reload_latency"], pm),
         _weight_transfer(data["weight_transfer"], pm),
-        tp_part,
+        _tp_load(data["tp_load"], pm),
+        *([_tp_load_moe(tp_moe[1])] if tp_moe else []),  # right after the dense tensor-parallel load
         _quant_kernels(data["quant_kernels"], pm),
     ]
-    if ("tp_load_moe", "cpu") in latest:  # right after the dense tensor-parallel load
-        parts.insert(parts.index(tp_part) + 1, _tp_load_moe(latest[("tp_load_moe", "cpu")][1]))
     for ml in _latest_per_size(results, "moe_load"):
         parts.append(_moe_load(ml))
     if ("rollout", "cpu") in latest:

@@ -167,10 +167,11 @@ class ModelConfig:
         return layer_idx >= self.max_window_layers
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Whether decoder layer ``layer_idx`` has a sparse MoE block, by transformers' Qwen3-MoE rule:
-        not listed in ``mlp_only_layers``, ``num_experts > 0`` and ``(layer_idx + 1) % decoder_sparse_step == 0``."""
-        return (
-            layer_idx not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer_idx + 1) % self.decoder_sparse_step == 0
-        )
+        """Whether decoder layer ``layer_idx`` has a sparse MoE block (:func:`is_moe_layer`)."""
+        return is_moe_layer(layer_idx, self.num_experts, self.mlp_only_layers, self.decoder_sparse_step)
+
+
+def is_moe_layer(layer_idx: int, num_experts: int, mlp_only_layers, decoder_sparse_step: int) -> bool:
+    """Whether decoder layer ``layer_idx`` has a sparse MoE block, by transformers' Qwen3-MoE rule: not listed in
+    ``mlp_only_layers``, ``num_experts > 0`` and ``(layer_idx + 1) % decoder_sparse_step == 0``."""
+    return layer_idx not in mlp_only_layers and num_experts > 0 and (layer_idx + 1) % decoder_sparse_step == 0

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from layerwise.checkpoint import CONFIG_NAME, INDEX_FILE
+from layerwise.config import is_moe_layer
 from layerwise.demo_tokenizer import (
     check_vocab_size,
     special_token_ids,
@@ -79,15 +80,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "layerwise"
 
 
-def _is_sparse(cfg: dict, layer: int) -> bool:
-    """Whether decoder layer ``layer`` of a Qwen3(-MoE) config has experts (transformers' rule)."""
-    return (
-        cfg.get("num_experts", 0) > 0
-        and layer not in cfg.get("mlp_only_layers", [])
-        and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0
-    )
-
-
 def _qwen3_tensors(cfg: dict, generator: torch.Generator):
     """(key, tensor) in Hugging Face naming for a Qwen3 or Qwen3-MoE config, BF16, std 0.02, norms at 1."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -107,7 +99,10 @@ def _qwen3_tensors(cfg: dict, generator: torch.Generator):
         yield f"{p}.self_attn.o_proj.weight", rand(h, nq * d)
         yield f"{p}.self_attn.q_norm.weight", torch.ones(d, dtype=torch.bfloat16)
         yield f"{p}.self_attn.k_norm.weight", torch.ones(d, dtype=torch.bfloat16)
-        if _is_sparse(cfg, n):  # router [E, H], then each expert's projections
+        sparse = is_moe_layer(
+            n, cfg.get("num_experts", 0), cfg.get("mlp_only_layers", []), cfg.get("decoder_sparse_step", 1)
+        )
+        if sparse:  # router [E, H], then each expert's projections
             experts, moe_i = cfg["num_experts"], cfg["moe_intermediate_size"]
             yield f"{p}.mlp.gate.weight", rand(experts, h)
             for e in range(experts):

@@ -59,9 +59,15 @@ def moe_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_logits_equal_tp1(tp2, moe_checkpoints, arch, layout):
-    path = moe_checkpoints[arch]
+    _assert_logits_equal_tp1(tp2, moe_checkpoints[arch], LAYOUTS[layout])
+
+
+def _assert_logits_equal_tp1(pool, path, expert_parallel: bool) -> None:
+    """Every rank's float32 logits equal the TP=1 model's within 1e-5 relative."""
     logits = layerwise.load_model(path, quantization=None, dtype="float32")(IDS)
-    for out in tp2.run(workers.load_and_forward, str(path), IDS, None, "float32", False, False, "cpu", LAYOUTS[layout]):
+    for out in pool.run(
+        workers.load_and_forward, str(path), IDS, None, "float32", False, False, "cpu", expert_parallel
+    ):
         _close(out["logits"], logits, 1e-5)
 
 
@@ -69,10 +75,7 @@ def test_moe_logits_equal_tp1(tp2, moe_checkpoints, arch, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_logits_equal_tp1_at_tp4(tp4, moe_checkpoints, arch, layout):
-    path = moe_checkpoints[arch]
-    logits = layerwise.load_model(path, quantization=None, dtype="float32")(IDS)
-    for out in tp4.run(workers.load_and_forward, str(path), IDS, None, "float32", False, False, "cpu", LAYOUTS[layout]):
-        _close(out["logits"], logits, 1e-5)
+    _assert_logits_equal_tp1(tp4, moe_checkpoints[arch], LAYOUTS[layout])
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from layerwise.api import model_digest
 from layerwise.transfer import WeightTransferEngineFactory, tensor_metadata, update_weights
 from layerwise.transfer.nccl import NCCLWeightTransferEngine
 from layerwise.transfer.packed_tensor import packed_broadcast_consumer
-from tests.transfer.harness import assert_same_tensors, checkpoint_tensors, free_port, fresh, share
+from tests.transfer.harness import assert_same_tensors, checkpoint_tensors, free_port, fresh, nccl_init_info, share
 from tests.transfer.vllm_trainer import VLLMTrainer
 
 BUCKET_BYTES = 6000  # several tensors per bucket, and tensors larger than one
@@ -36,9 +36,7 @@ def engine(vllm_trainer):
     port = free_port()
     vllm_trainer.send("init", ("127.0.0.1", port, 2))
     nccl = WeightTransferEngineFactory.create_engine("nccl", device="cpu")
-    nccl.init_transfer_engine(
-        {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "timeout_seconds": 20}
-    )
+    nccl.init_transfer_engine(nccl_init_info(port, 20))
     vllm_trainer.expect_ok()
     yield nccl
     nccl.shutdown()
